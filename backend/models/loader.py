@@ -1,0 +1,131 @@
+"""Load a Llama-family checkpoint (Hugging Face folder or GGUF file) into our modules."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from backend.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from backend.models.registry import resolve_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def load_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir}: no config.json (not a Hugging Face model folder)")
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        raise ModelLoadError(
+            f"{model_dir / 'config.json'}: unsupported architecture {architectures or config.model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
+    """`auto` follows vLLM: a half-precision checkpoint keeps its dtype, fp32 runs in bf16; CPUs get bf16 for fp16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype]
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if stored in (torch.float16, "float16") and device.type != "cpu":
+        return torch.float16
+    return torch.bfloat16
+
+
+def max_model_len_of(config) -> int:
+    """The longest sequence the model handles correctly: its trained length, or its sliding window if shorter."""
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        limit = min(limit, window)  # we implement full attention only, which equals windowed attention up to here
+    return limit
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{f}: listed in {index.name} but missing")
+    return files
+
+
+def load_model(
+    model: str | Path,
+    ops: ModuleType,
+    device: torch.device | str = "cpu",
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+):
+    """(model, config, model_dir): weights loaded on `device` in `dtype`, rope table sized for max_model_len."""
+    device = torch.device(device)
+    model_dir = resolve_model(model)
+    config = load_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config, ops)
+    module = module.to_empty(device=device).to(torch_dtype)
+    _load_weights(module, _checkpoint_files(model_dir))
+    module.init_rope(max_model_len or max_model_len_of(config))
+    return module.eval(), config, model_dir
+
+
+def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
+    params = dict(module.named_parameters())
+    unfilled = {name: p.shape[0] for name, p in params.items()}  # rows still to be loaded per parameter
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    _load_tensor(module, params, unfilled, key, f.get_tensor(key), path)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
+    missing = [name for name, rows in unfilled.items() if rows]
+    if missing:
+        raise ModelLoadError(f"{files[0].parent}: checkpoint lacks tensors for {', '.join(missing[:5])}")
+
+
+def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path: Path) -> None:
+    if "rotary_emb.inv_freq" in key:
+        return
+    if key == "lm_head.weight" and module.tie_word_embeddings:
+        return
+    target, rows = key, slice(None)
+    for part, (fused, shard) in module.stacked_params.items():
+        if f".{part}." in key:
+            target = key.replace(f".{part}.", f".{fused}.")
+            sizes = module.shard_sizes(fused)
+            rows = slice(sum(sizes[:shard]), sum(sizes[: shard + 1]))
+            break
+    param = params.get(target)
+    if param is None:
+        raise ModelLoadError(f"{path}: unexpected tensor {key!r} for {module.config.architectures[0]}")
+    dest = param.data[rows]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    unfilled[target] -= dest.shape[0]

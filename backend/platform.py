@@ -1,0 +1,48 @@
+"""The device the engine runs on: npu | cuda | cpu, chosen once (auto: npu > cuda > cpu)."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str  # "npu" | "cuda" | "cpu"
+    device: torch.device
+
+    def synchronize(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.name == "npu":
+            torch.npu.synchronize(self.device)
+
+
+def npu_available() -> bool:
+    # Importing torch_npu without CANN fails, so only try where it is installed at all.
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:
+        return False
+    return torch.npu.is_available()
+
+
+def resolve_platform(device: str = "auto") -> Platform:
+    if device not in DEVICE_CHOICES and not device.split(":")[0] in DEVICE_CHOICES[1:]:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (optionally with :N); got {device!r}")
+    name = device.split(":")[0]
+    if name == "auto":
+        name = "npu" if npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+        device = name
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda requested but torch sees no CUDA GPU")
+    if name == "npu" and not npu_available():
+        raise RuntimeError("device npu requested but torch_npu is not installed or sees no Ascend NPU")
+    if name != "cpu" and ":" not in device:
+        device = f"{name}:0"
+    return Platform(name, torch.device(device))

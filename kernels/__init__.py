@@ -1,0 +1,19 @@
+"""Attention and cache ops with the same signatures on every platform (see torch_ref for the semantics)."""
+from __future__ import annotations
+
+from types import ModuleType
+
+from kernels.metadata import AttentionMetadata
+
+__all__ = ["AttentionMetadata", "ops_for"]
+
+
+def ops_for(platform: str) -> ModuleType:
+    """The kernel module for a platform name: "cpu", "cuda" or "npu"."""
+    if platform in ("cpu", "cuda"):
+        from kernels import torch_ref
+
+        return torch_ref
+    if platform == "npu":
+        raise NotImplementedError("the Ascend NPU kernels (torch_npu) are not implemented yet")
+    raise ValueError(f"unknown platform {platform!r}: expected cpu, cuda or npu")

@@ -1,0 +1,65 @@
+"""What an attention kernel needs to know about one flattened batch.
+
+A step runs one flat batch of tokens. Sequences are ordered decodes first (one new token
+each), then prefill chunks (any number of new tokens, possibly after a cached prefix),
+the vLLM v1 convention: the decode part is one batched kernel call, the prefill part one
+call per chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]  # new tokens per sequence in this step
+    context_lens: list[int]  # KV length per sequence after this step (cached + new)
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+    block_size: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused tail entries are 0
+    context_lens_tensor: torch.Tensor  # [num_seqs] int32
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        if any(q == 1 for q in query_lens[num_decodes:]) and any(q > 1 for q in query_lens[:num_decodes]):
+            raise ValueError("sequences must be ordered decodes first")
+
+        max_blocks = max((len(b) for b in block_tables), default=0)
+        table = np.zeros((len(block_tables), max(max_blocks, 1)), dtype=np.int32)
+        for row, blocks in zip(table, block_tables):
+            row[: len(blocks)] = blocks
+
+        # Positions of the new tokens, then their slots: bt[seq, pos // bs] * bs + pos % bs.
+        seq_index = np.repeat(np.arange(len(query_lens)), query_lens)
+        starts = np.repeat(np.asarray(context_lens) - np.asarray(query_lens), query_lens)
+        offsets = np.arange(len(seq_index)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+        positions = starts + offsets
+        slots = table[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+        return cls(
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            num_decodes=num_decodes,
+            block_size=block_size,
+            slot_mapping=torch.from_numpy(slots).to(device),
+            block_tables=torch.from_numpy(table).to(device),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        )

@@ -1,0 +1,112 @@
+"""Portable PyTorch kernels: the CPU path, and the reference every other backend is tested against.
+
+Cache layout (the Ascend one): per layer key_cache / value_cache of shape
+[num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in slot
+block_table[t // block_size] * block_size + t % block_size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new tokens' K/V ([T, num_kv_heads, head_dim]) into their cache slots, in place."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The cache rows of `block_ids` ([..., n]) as [..., n * block_size, num_kv_heads, head_dim]."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a flat batch of decode tokens and prefill chunks.
+
+    query [T, num_heads, head_dim]; key/value [T, num_kv_heads, head_dim] are this step's new
+    tokens, already written to the cache. Each sequence's new tokens sit at the end of its
+    context and see every earlier token of it. Returns [T, num_heads, head_dim].
+    """
+    out = torch.empty_like(query)
+    nd = metadata.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(query[:nd], key_cache, value_cache, metadata, scale)
+    start = nd
+    for i in range(nd, len(metadata.query_lens)):
+        q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
+        q = query[start : start + q_len].transpose(0, 1)
+        if ctx_len == q_len:  # nothing cached before this chunk: attend to the new K/V directly
+            k, v = key[start : start + q_len], value[start : start + q_len]
+            mask, causal = None, True
+        else:
+            blocks = metadata.block_tables[i, : -(-ctx_len // metadata.block_size)]
+            k = gather_kv(key_cache, blocks)[:ctx_len]
+            v = gather_kv(value_cache, blocks)[:ctx_len]
+            # query i sits at absolute position ctx_len - q_len + i and sees keys at or before it
+            rows = torch.arange(q_len, device=query.device)[:, None] + (ctx_len - q_len)
+            mask, causal = torch.arange(ctx_len, device=query.device)[None, :] <= rows, False
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_ctx = max(metadata.context_lens[:num_seqs])
+    blocks = metadata.block_tables[:num_seqs, : -(-max_ctx // metadata.block_size)]
+    k = gather_kv(key_cache, blocks).transpose(1, 2)  # [B, Hkv, L, D]
+    v = gather_kv(value_cache, blocks).transpose(1, 2)
+    visible = torch.arange(k.shape[2], device=query.device) < metadata.context_lens_tensor[:num_seqs, None]
+    # One query token per sequence: the `group` query heads sharing a KV head act as `group`
+    # query rows against that head, which is several times faster than enable_gqa on CPU.
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the weight, as Hugging Face Llama does."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the residual add fused in front of the norm."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Neox-style rotary embedding of query [T, Hq, D] and key [T, Hkv, D].
+
+    cos_sin_cache is vLLM's [max_position, head_dim]: cos and sin of each frequency, side by side.
+    """
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

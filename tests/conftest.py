@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random-weight models of each architecture, and the default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Every test here runs on the CPU with two cores.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+
+def _tiny_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch == "llama":  # llama3 rope scaling and untied embeddings
+        return LlamaConfig(
+            **TINY,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+            tie_word_embeddings=False,
+        )
+    if arch == "qwen2":  # q/k/v biases, tied embeddings
+        return Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True)
+    if arch == "mistral":
+        return MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "mistral"])
+def tiny_model_dir(request, tmp_path_factory):
+    """A Hugging Face folder with random weights (biases made non-zero so they matter)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = _tiny_config(request.param)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from backend.models.registry import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
