@@ -17,15 +17,11 @@ import torch
 class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence in this step
     context_lens: list[int]  # KV length per sequence after this step (cached + new)
-    num_decodes: int  # the first num_decodes sequences have exactly one new token
+    num_decodes: int  # the leading run of sequences with exactly one new token (batched as decodes)
     block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused tail entries are 0
     context_lens_tensor: torch.Tensor  # [num_seqs] int32
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
 
     @classmethod
     def build(
@@ -39,8 +35,6 @@ class AttentionMetadata:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        if any(q == 1 for q in query_lens[num_decodes:]) and any(q > 1 for q in query_lens[:num_decodes]):
-            raise ValueError("sequences must be ordered decodes first")
 
         max_blocks = max((len(b) for b in block_tables), default=0)
         table = np.zeros((len(block_tables), max(max_blocks, 1)), dtype=np.int32)

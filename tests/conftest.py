@@ -44,21 +44,28 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2", "mistral"])
-def tiny_model_dir(request, tmp_path_factory):
+def make_tiny_model(arch: str, path):
     """A Hugging Face folder with random weights (biases made non-zero so they matter)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _tiny_config(request.param)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "mistral"])
+def tiny_model_dir(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
