@@ -1,0 +1,21 @@
+"""npu-llm: LLM serving on Ascend NPUs (and CUDA, CPU) behind NVIDIA Triton."""
+from __future__ import annotations
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig"]
+
+
+def __getattr__(name):
+    # Lazy, so `import backend.platform` (or the Triton stub) does not pay for torch + transformers.
+    if name in ("LLM", "LLMEngine"):
+        from backend.engine import engine
+
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from backend.engine.request import SamplingParams
+
+        return SamplingParams
+    if name == "EngineConfig":
+        from backend.config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(name)

@@ -1,0 +1,101 @@
+"""EngineConfig: every engine knob in one dataclass, read from CLI flags or model.json."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from backend.models.registry import DEFAULT_MODEL
+from backend.platform import DEVICE_CHOICES
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None  # defaults to the model's own
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int | None = None  # tokens per KV block; None: 128 on NPU, 16 elsewhere
+    max_model_len: int | None = None  # None: the model's own limit
+    max_num_seqs: int = 128  # sequences in one step
+    max_num_batched_tokens: int | None = None  # token budget of one step; None: 2048 (or max_model_len without chunking)
+    gpu_memory_utilization: float = 0.9  # accelerators: fraction of device memory for weights + KV cache
+    kv_cache_memory_gb: float = 4.0  # CPU: memory for the KV cache
+    num_kv_blocks: int | None = None  # explicit number of KV blocks (overrides both budgets)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        self._check()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def _check(self) -> None:
+        def fail(name: str, why: str):
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if self.device.split(":")[0] not in DEVICE_CHOICES:
+            fail("device", f"must be one of {', '.join(DEVICE_CHOICES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            fail("dtype", f"must be one of {', '.join(DTYPE_CHOICES)}")
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
+            fail("block_size", "must be a power of two")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                fail(name, "must be at least 1")
+        if self.max_num_seqs < 1:
+            fail("max_num_seqs", "must be at least 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_cache_memory_gb <= 0:
+            fail("kv_cache_memory_gb", "must be positive")
+
+    def finalize(self, platform: str, model_max_len: int) -> None:
+        """Fill the defaults that depend on the device and the model, and check what they constrain."""
+        if self.block_size is None:
+            self.block_size = NPU_BLOCK_SIZE if platform == "npu" else 16
+        if platform == "npu" and self.block_size != NPU_BLOCK_SIZE:
+            raise ValueError(f"block_size={self.block_size}: the NPU paged-attention kernels need {NPU_BLOCK_SIZE}")
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        elif self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={self.max_model_len}: the model supports at most {model_max_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: without chunked prefill it must be at least "
+                f"max_model_len={self.max_model_len}, or a long prompt could never be scheduled"
+            )
+
+    # -- command line -------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One --flag per field (booleans get --flag / --no-flag), defaults from the dataclass."""
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            choices = {"device": None, "dtype": DTYPE_CHOICES}.get(f.name)
+            parser.add_argument(flag, type=kind, default=f.default, choices=choices)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

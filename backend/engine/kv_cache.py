@@ -1,0 +1,146 @@
+"""KV block pool: reference counts, a free queue, and a prefix cache keyed by a hash chain.
+
+A full block's hash chains its parent's hash with its own token ids, so equal hashes mean
+equal prefixes (a hit still compares token ids, to be safe from collisions). Freed blocks
+keep their hash and stay reusable until the free queue hands them out again (LRU).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from backend.engine.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # set while the block is in the prefix cache
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks={num_blocks}: need at least one KV block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evicted first
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    # -- statistics -------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # -- prefix cache -----------------------------------------------------------------------------
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """Hash chain of the request's first num_blocks full blocks, extended incrementally on the request."""
+        hashes, bs = request.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash((hashes[-1] if hashes else None, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
+        return hashes[:num_blocks]
+
+    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached run of the request's full blocks.
+
+        The last token is never taken from the cache: it must run to produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        found = []
+        for i, block_hash in enumerate(self.block_hashes(request, (len(request.token_ids) - 1) // self.block_size)):
+            block_id = self.cached.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(request, i):
+                break
+            found.append(block_id)
+        return found
+
+    def record_lookup(self, request: Request, num_cached_tokens: int) -> None:
+        """Count an admitted request's prompt against the prefix-cache hit rate."""
+        self.prefix_queries += request.num_prompt_tokens
+        self.prefix_hits += min(num_cached_tokens, request.num_prompt_tokens)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = self.block_hashes(request, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            block_hash = hashes[i]
+            block = self.blocks[request.block_ids[i]]
+            # a hit is cached already; an identical block computed meanwhile by another request stays the cached one
+            if block.block_hash is None and block_hash not in self.cached:
+                block.block_hash, block.token_ids = block_hash, self._block_tokens(request, i)
+                self.cached[block_hash] = block.block_id
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    # -- allocation -------------------------------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Give the request blocks for num_computed + num_new_tokens tokens; False (nothing changed) if they don't fit.
+
+        cached_block_ids (admission only) are prefix-cache hits that become the start of its table.
+        """
+        total = request.num_computed_tokens + num_new_tokens
+        needed = -(-total // self.block_size) - len(request.block_ids) - len(cached_block_ids)
+        # hits that sit in the free queue stop being free once taken
+        reclaimed = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        if needed > self.num_free_blocks - reclaimed:
+            return False
+        for block_id in cached_block_ids:
+            self._take(block_id)
+        request.block_ids.extend(cached_block_ids)
+        for _ in range(max(needed, 0)):
+            block_id = next(iter(self.free_queue))
+            self._evict(block_id)
+            self._take(block_id)
+            request.block_ids.append(block_id)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks; its tail blocks queue for eviction before its head."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        request.block_ids = []
+        request.num_registered_blocks = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = block.token_ids = None

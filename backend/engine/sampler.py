@@ -1,0 +1,116 @@
+"""Token sampling for a batch, vectorised: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Each seeded request draws its randomness from its own generator, so its samples do not
+depend on what else is in the batch. Sampling uses the exponential-race form of a
+categorical draw (argmax of p / Exp(1)), as vLLM does, which needs one uniform per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per request: sampled token and top alternatives
+    sampled_logprobs: list[float]
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    """logits [B, V] fp32, one row per request (modified in place)."""
+    device = logits.device
+    params = [r.params for r in requests]
+    _apply_min_tokens(logits, requests)
+    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        _apply_penalties(logits, requests)
+
+    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    logits.div_(temperature[:, None])
+    logprobs_all = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = _filtered_probs(logits, params)
+        race = probs / _exponentials(probs, requests)
+        tokens = torch.where(greedy, tokens, race.argmax(dim=-1))
+
+    token_list = tokens.tolist()
+    out_logprobs: list[dict[int, float] | None] = [None] * len(requests)
+    sampled: list[float] = [0.0] * len(requests)
+    if logprobs_all is not None:
+        chosen = logprobs_all.gather(1, tokens[:, None])[:, 0].tolist()
+        k = max(p.logprobs or 0 for p in params)
+        top_values, top_ids = logprobs_all.topk(k, dim=-1) if k else (None, None)
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            entry = {token_list[row]: chosen[row]}
+            if p.logprobs:
+                for tid, lp in zip(top_ids[row, : p.logprobs].tolist(), top_values[row, : p.logprobs].tolist()):
+                    entry.setdefault(tid, lp)
+            out_logprobs[row], sampled[row] = entry, chosen[row]
+    return SamplerOutput(token_list, out_logprobs, sampled)
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, r in enumerate(requests):
+        if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
+            logits[row, list(r.stop_token_ids)] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """OpenAI presence/frequency penalties on output tokens; repetition penalty on prompt + output (as vLLM)."""
+    batch, vocab = logits.shape
+    device = logits.device
+    outputs = _padded([r.output_token_ids for r in requests], vocab, device)
+    everything = _padded([r.token_ids for r in requests], vocab, device)
+    counts = torch.zeros(batch, vocab + 1, device=device).scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float))[:, :vocab]
+    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device).scatter_(1, everything, True)[:, :vocab]
+
+    rep = torch.tensor([r.params.repetition_penalty for r in requests], device=device)[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalised, logits))
+    freq = torch.tensor([r.params.frequency_penalty for r in requests], device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in requests], device=device)[:, None]
+    logits.sub_(freq * counts + pres * (counts > 0))
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Softmax after top-k, top-p and min-p filtering (each only where some request asks for it)."""
+    device = logits.device
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < logits.shape[1] for k in top_k) or any(p < 1 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1], device=device)[None, :]
+        drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _exponentials(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    for row, r in enumerate(requests):
+        if r.generator is not None:  # a CPU generator, whatever the device
+            q[row].copy_(torch.empty(probs.shape[1]).exponential_(generator=r.generator))
+    return q

@@ -1,0 +1,115 @@
+"""One rule for prefill and decode (vLLM v1): each request's num_computed_tokens catches up
+with its tokens under a per-step token budget and a sequence cap. Decodes and prefill chunks
+share a step; chunked prefill is just a budget smaller than the prompt. Out of blocks: the
+most recently admitted running request is preempted (blocks freed, recomputed later).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from backend.engine.kv_cache import KVCacheManager
+from backend.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def wants_logits(self) -> bool:
+        """The chunk reaches the last known token, so the step samples the next one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == len(self.request.token_ids)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and give its blocks back."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+
+        # New requests only when nobody had to make room this step.
+        computing: set[int] = set()  # hashes of the full blocks that requests admitted in this step will fill
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            hits = self.kv.find_cached_prefix(request)
+            num_cached = len(hits) * self.kv.block_size
+            if self._next_block_being_computed(request, len(hits), computing):
+                break  # wait one step and take it from the prefix cache (n > 1 siblings, repeated prompts)
+            num_new = len(request.token_ids) - num_cached
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            request.num_computed_tokens = num_cached
+            if not self.kv.allocate(request, num_new, hits):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+                self.kv.record_lookup(request, num_cached)
+            if self.kv.enable_prefix_caching:
+                computing.update(self.kv.block_hashes(request, (num_cached + num_new) // self.kv.block_size))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _next_block_being_computed(self, request: Request, num_hits: int, computing: set[int]) -> bool:
+        if not computing or (len(request.token_ids) - 1) // self.kv.block_size <= num_hits:
+            return False
+        return self.kv.block_hashes(request, num_hits + 1)[num_hits] in computing
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def advance(self, scheduled: list[ScheduledRequest]) -> None:
+        """After the forward pass: the scheduled tokens are in the cache now."""
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(item.request)

@@ -1,0 +1,38 @@
+"""The model's tokenizer (transformers) and what the engine needs from it: chat prompts, EOS ids."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation through the tokenizer's own chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    # the template writes the special tokens itself
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def eos_token_ids(model_dir: Path, model_config, tokenizer) -> set[int]:
+    """EOS ids from the model config, generation_config.json and the tokenizer (Llama 3 has several)."""
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(model_config, "eos_token_id", None))
+    generation_config = Path(model_dir) / "generation_config.json"
+    if generation_config.is_file():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
+    add(tokenizer.eos_token_id)
+    return ids
