@@ -50,23 +50,35 @@ def paged_attention(
     start = nd
     for i in range(nd, len(metadata.query_lens)):
         q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
-        q = query[start : start + q_len].transpose(0, 1)
         if ctx_len == q_len:  # nothing cached before this chunk: attend to the new K/V directly
             k, v = key[start : start + q_len], value[start : start + q_len]
-            mask, causal = None, True
         else:
             blocks = metadata.block_tables[i, : -(-ctx_len // metadata.block_size)]
             k = gather_kv(key_cache, blocks)[:ctx_len]
             v = gather_kv(value_cache, blocks)[:ctx_len]
-            # query i sits at absolute position ctx_len - q_len + i and sees keys at or before it
-            rows = torch.arange(q_len, device=query.device)[:, None] + (ctx_len - q_len)
-            mask, causal = torch.arange(ctx_len, device=query.device)[None, :] <= rows, False
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-        )
-        out[start : start + q_len] = o.transpose(0, 1)
+        out[start : start + q_len] = _prefill_attention(query[start : start + q_len], k, v, scale)
         start += q_len
     return out
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: q [q_len, Hq, D] are the last q_len of the ctx_len tokens in k/v [ctx_len, Hkv, D]."""
+    q_len, num_heads, head_dim = q.shape
+    ctx_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # [Hkv, group, len, D], K/V broadcast over the group: CPU flash attention parallelises over
+    # both leading dims, and it is about twice as fast as enable_gqa or repeat_interleave.
+    q4 = q.transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
+    k4 = k.transpose(0, 1)[:, None].expand(num_kv_heads, group, ctx_len, head_dim)
+    v4 = v.transpose(0, 1)[:, None].expand(num_kv_heads, group, ctx_len, head_dim)
+    if ctx_len == q_len:
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    else:
+        # query i sits at absolute position ctx_len - q_len + i and sees keys at or before it
+        rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    return o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
 
 
 def _decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from backend.engine.scheduler import Scheduler
 from backend.engine.tokenizer import chat_prompt_ids, eos_token_ids, load_tokenizer
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
-from backend.platform import resolve_platform
+from backend.platform import resolve_platform, tune_host_allocator
 from kernels import ops_for
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **engine_args):
         self.config = config = config or EngineConfig(**engine_args)
         self.platform = resolve_platform(config.device)
+        tune_host_allocator()
         torch.manual_seed(config.seed)
         model_dir = resolve_model(config.model)
         config.finalize(self.platform.name, max_model_len_of(load_config(model_dir)))

@@ -1,0 +1,92 @@
+"""`npu-llm bench throughput`: our LLM vs. Hugging Face `generate` on the same random prompts, one JSON line."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine.engine import LLM
+from backend.engine.request import SamplingParams
+
+
+def random_prompts(tokenizer, vocab_size: int, num_prompts: int, input_len: str, seed: int) -> list[list[int]]:
+    """Seeded random-token prompts, lengths uniform in MIN:MAX (or exactly N), no special tokens."""
+    lo, _, hi = input_len.partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    pool = [t for t in range(vocab_size) if t not in special]
+    return [[rng.choice(pool) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
+
+
+def _hf_generate(model_dir, dtype: torch.dtype, prompts, output_len: int, batch_size: int, pad_id: int) -> float:
+    """Seconds for transformers' generate over static, left-padded batches (greedy, exact lengths)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                do_sample=False, pad_token_id=pad_id,
+            )
+        assert out.shape[1] == width + output_len
+    return time.perf_counter() - start
+
+
+def run_throughput_bench(args) -> dict:
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM(**config.to_dict())
+    engine = llm.engine
+    prompts = random_prompts(engine.tokenizer, engine.model_config.vocab_size, args.num_prompts, args.input_len, config.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    num_prompt_tokens = sum(map(len, prompts))
+
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=2))  # warm-up
+    before = engine.stats()
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    stats = engine.stats()
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_output_tokens == args.output_len * len(prompts)
+
+    result = {
+        "model": config.model,
+        "device": str(engine.platform.device),
+        "dtype": str(engine.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "num_prompts": len(prompts),
+        "prompt_tokens": num_prompt_tokens,
+        "output_tokens": num_output_tokens,
+        "ours": {
+            "elapsed_s": round(elapsed, 2),
+            "output_tokens_per_s": round(num_output_tokens / elapsed, 1),
+            "total_tokens_per_s": round((num_output_tokens + num_prompt_tokens) / elapsed, 1),
+        },
+        "kv_cache_waste": round(stats.kv_cache_waste, 4),
+        "preemptions": stats.num_preemptions - before.num_preemptions,
+        "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 4),
+        "max_num_seqs": engine.config.max_num_seqs,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+    }
+    if args.baseline == "hf":
+        dtype = engine.model.model.embed_tokens.weight.dtype
+        pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+        hf_elapsed = _hf_generate(engine.model_dir, dtype, prompts, args.output_len, args.hf_batch_size, pad)
+        result["hf"] = {
+            "elapsed_s": round(hf_elapsed, 2),
+            "batch_size": args.hf_batch_size,
+            "output_tokens_per_s": round(num_output_tokens / hf_elapsed, 1),
+            "total_tokens_per_s": round((num_output_tokens + num_prompt_tokens) / hf_elapsed, 1),
+        }
+        result["output_throughput_ratio"] = round(hf_elapsed / elapsed, 2)
+    print(json.dumps(result), flush=True)
+    return result

@@ -1,0 +1,45 @@
+"""`npu-llm chat`: an interactive terminal chat on the engine, streaming tokens as they come."""
+from __future__ import annotations
+
+import sys
+
+from backend.engine.engine import LLMEngine
+from backend.engine.request import SamplingParams
+from backend.engine.tokenizer import chat_prompt_ids
+
+
+def run_chat(engine: LLMEngine, params: SamplingParams, system: str | None, out=sys.stdout, inp=sys.stdin) -> None:
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    print(f"npu-llm chat: {engine.config.model} on {engine.platform.device}. Ctrl-C stops a reply, Ctrl-D quits.",
+          file=out, flush=True)
+    while True:
+        out.write("\nyou> ")
+        out.flush()
+        line = inp.readline()
+        if not line:  # end of input
+            out.write("\n")
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.strip()})
+        reply = _stream_reply(engine, chat_prompt_ids(engine.tokenizer, history), params, out)
+        history.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, out) -> str:
+    out.write("bot> ")
+    request_id = engine.add_request(None, {"prompt_token_ids": prompt_ids}, params)
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                completion = output.outputs[0]
+                out.write(completion.delta)
+                out.flush()
+                text = completion.text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        engine.step()  # collects the abort
+        out.write(" [stopped]")
+    out.write("\n")
+    return text

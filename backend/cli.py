@@ -1,0 +1,76 @@
+"""The `npu-llm` command."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from backend.config import EngineConfig
+
+
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="seed for reproducible samples")
+
+
+def _cmd_chat(args) -> int:
+    from backend.chat import run_chat
+    from backend.engine.engine import LLMEngine
+    from backend.engine.request import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed
+    )
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    run_chat(engine, params, args.system)
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from backend.bench import run_throughput_bench
+
+    run_throughput_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="npu-llm", description="LLM serving on Ascend NPUs, CUDA and CPU.")
+    parser.add_argument("--log-level", default="WARNING")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    chat = commands.add_parser("chat", help="chat with a model in the terminal")
+    EngineConfig.add_cli_args(chat)
+    _sampling_args(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=_cmd_chat)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    throughput = kinds.add_parser("throughput", help="offline throughput, ours vs. Hugging Face generate")
+    EngineConfig.add_cli_args(throughput)
+    throughput.add_argument("--num-prompts", type=int, default=64)
+    throughput.add_argument("--input-len", default="64:512", help="N or MIN:MAX (uniform)")
+    throughput.add_argument("--output-len", type=int, default=128)
+    throughput.add_argument("--baseline", choices=("hf", "none"), default="hf")
+    throughput.add_argument("--hf-batch-size", type=int, default=16)
+    throughput.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        # a bad flag, a missing model or device: one clear line, no traceback
+        print(f"npu-llm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
