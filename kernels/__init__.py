@@ -10,7 +10,11 @@ __all__ = ["AttentionMetadata", "ops_for"]
 
 def ops_for(platform: str) -> ModuleType:
     """The kernel module for a platform name: "cpu", "cuda" or "npu"."""
-    if platform in ("cpu", "cuda"):
+    if platform == "cpu":
+        from kernels import cpu
+
+        return cpu
+    if platform == "cuda":
         from kernels import torch_ref
 
         return torch_ref

@@ -43,10 +43,15 @@ def paged_attention(
     tokens, already written to the cache. Each sequence's new tokens sit at the end of its
     context and see every earlier token of it. Returns [T, num_heads, head_dim].
     """
+    return attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention)
+
+
+def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode) -> torch.Tensor:
+    """paged_attention with the decode part (one batched call for the leading one-token sequences) pluggable."""
     out = torch.empty_like(query)
     nd = metadata.num_decodes
     if nd:
-        out[:nd] = _decode_attention(query[:nd], key_cache, value_cache, metadata, scale)
+        out[:nd] = decode(query[:nd], key_cache, value_cache, metadata, scale)
     start = nd
     for i in range(nd, len(metadata.query_lens)):
         q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
@@ -81,7 +86,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
 
 
-def _decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [B, Hq, D]: the one new token of each of the first B sequences."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -6,7 +6,10 @@ import random
 import pytest
 import torch
 
-from kernels import AttentionMetadata, torch_ref
+from kernels import AttentionMetadata, cpu, torch_ref
+
+# every kernel module must agree with the dense reference
+OPS = [pytest.param(torch_ref, id="torch_ref"), pytest.param(cpu, id="cpu")]
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 
@@ -22,7 +25,7 @@ def _dense_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def _run_batch(seqs, block_size, num_blocks=96, dtype=torch.float32):
+def _run_batch(seqs, block_size, ops=torch_ref, num_blocks=96, dtype=torch.float32):
     """seqs: (context_len, query_len) pairs, decodes first. Returns (ours, reference) outputs."""
     rng = random.Random(block_size * 1000 + len(seqs))
     torch.manual_seed(len(seqs))
@@ -47,11 +50,12 @@ def _run_batch(seqs, block_size, num_blocks=96, dtype=torch.float32):
     new_v = torch.cat([v[c - q :] for v, (c, q) in zip(vs, seqs)])
     torch_ref.reshape_and_cache(new_k, new_v, key_cache, value_cache, md.slot_mapping)
     scale = HEAD_DIM**-0.5
-    ours = torch_ref.paged_attention(torch.cat(qs), new_k, new_v, key_cache, value_cache, md, scale)
+    ours = ops.paged_attention(torch.cat(qs), new_k, new_v, key_cache, value_cache, md, scale)
     reference = torch.cat([_dense_attention(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
     return ours, reference
 
 
+@pytest.mark.parametrize("ops", OPS)
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize(
     "seqs",
@@ -62,15 +66,21 @@ def _run_batch(seqs, block_size, num_blocks=96, dtype=torch.float32):
         pytest.param([(5, 1), (16, 1), (257, 1), (40, 40), (200, 72), (129, 128)], id="mixed"),
     ],
 )
-def test_paged_attention_matches_dense(seqs, block_size):
-    ours, reference = _run_batch(seqs, block_size)
+def test_paged_attention_matches_dense(seqs, block_size, ops):
+    ours, reference = _run_batch(seqs, block_size, ops)
     assert ours.shape == reference.shape
     torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-4)
 
 
-def test_paged_attention_bf16_within_tolerance():
-    ours, reference = _run_batch([(3, 1), (70, 1), (64, 64), (90, 30)], 16, dtype=torch.bfloat16)
+@pytest.mark.parametrize("ops", OPS)
+def test_paged_attention_bf16_within_tolerance(ops):
+    ours, reference = _run_batch([(3, 1), (70, 1), (64, 64), (90, 30)], 16, ops, dtype=torch.bfloat16)
     torch.testing.assert_close(ours.float(), reference.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_cpu_decode_kernel_builds_here():
+    # without it the "cpu" cases above would silently test torch_ref twice
+    assert cpu.compiled() is not None
 
 
 def test_reshape_and_cache_writes_each_slot():

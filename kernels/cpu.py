@@ -1,0 +1,55 @@
+"""CPU kernels: torch_ref, with decode attention done by a small C++ kernel (csrc/) when it builds.
+
+Decode attention is where the portable version spends its time on a CPU: it gathers every
+sequence's K/V into a padded copy before attending. The C++ kernel reads K/V in place through
+the block table. It is compiled once per machine with torch's cpp_extension (cached under
+TORCH_EXTENSIONS_DIR); without a compiler, or with NPU_LLM_CPU_KERNELS=0, torch_ref is used.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+from kernels import torch_ref
+from kernels.metadata import AttentionMetadata
+from kernels.torch_ref import add_rms_norm, reshape_and_cache, rms_norm, rotary_embedding  # noqa: F401
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+
+
+@functools.cache
+def compiled():
+    """The built extension module, or None where it cannot be built."""
+    if os.environ.get("NPU_LLM_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="npu_llm_cpu_kernels",
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for is an OpenMP region in torch's CPU builds
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, unsupported platform
+        log.warning("CPU attention kernel unavailable (%s); using the portable PyTorch path", e)
+        return None
+
+
+def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+    ext = compiled()
+    if ext is None:
+        return torch_ref.decode_attention(query, key_cache, value_cache, metadata, scale)
+    n = query.shape[0]
+    return ext.paged_decode_attention(
+        query, key_cache, value_cache, metadata.block_tables[:n], metadata.context_lens_tensor[:n], scale
+    )
+
+
+def paged_attention(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+    return torch_ref.attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention)

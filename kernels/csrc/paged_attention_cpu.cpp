@@ -1,0 +1,158 @@
+// Paged decode attention for the CPU: one query token per sequence, K/V read in place from
+// the block-table cache ([num_blocks, block_size, num_kv_heads, head_dim]), no gather copy.
+// One task per (sequence, KV head) computes all query heads of that group, so each K/V row
+// is read from memory once. Semantics: kernels/torch_ref.py::_decode_attention.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const double* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const at::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// exp for x <= 0 (scores minus their max) that the compiler can vectorize, unlike libm's expf:
+// 2^(x log2 e) split into an integer power (exponent bits) and a degree-6 polynomial for the
+// fraction (Cephes' coefficients, relative error ~2e-7).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;
+  const float whole = std::floor(t);
+  const float f = t - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One (sequence, KV head) task. HD is the head dim when known at compile time (0: runtime),
+// which lets the compiler keep a whole K/V row in vector registers.
+template <typename T, int HD>
+void attend_one(const float* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t ctx,
+                int64_t group, int64_t runtime_dim, int64_t block_size, int64_t token_stride, float* scores, float* acc) {
+  const int64_t head_dim = HD ? HD : runtime_dim;
+  float row[HD ? HD : 512];
+  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+
+  for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+    const T* k = key_cache + static_cast<int64_t>(table[b]) * block_size * token_stride;
+    const int64_t n = std::min(block_size, ctx - b * block_size);
+    for (int64_t o = 0; o < n; ++o, ++t, k += token_stride) {
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) row[d] = load(k, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * head_dim;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
+        scores[g * ctx + t] = s;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * ctx;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < ctx; ++t) {
+      s[t] = exp_nonpositive(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+    const T* v = value_cache + static_cast<int64_t>(table[b]) * block_size * token_stride;
+    const int64_t n = std::min(block_size, ctx - b * block_size);
+    for (int64_t o = 0; o < n; ++o, ++t, v += token_stride) {
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) row[d] = load(v, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = scores[g * ctx + t];
+        float* a = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row[d];
+      }
+    }
+  }
+}
+
+template <typename T>
+void decode_attention(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+                      const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the cache
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t ctx = context_lens[seq];
+      const T* q_in = query + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = load(q_in, i) * scale;
+      scores.resize(group * ctx);
+      const int32_t* table = block_tables + seq * max_blocks;
+      const T* k = key_cache + kv_head * head_dim;
+      const T* v = value_cache + kv_head * head_dim;
+      if (head_dim == 64)
+        attend_one<T, 64>(q.data(), k, v, table, ctx, group, head_dim, block_size, token_stride, scores.data(), acc.data());
+      else if (head_dim == 128)
+        attend_one<T, 128>(q.data(), k, v, table, ctx, group, head_dim, block_size, token_stride, scores.data(), acc.data());
+      else
+        attend_one<T, 0>(q.data(), k, v, table, ctx, group, head_dim, block_size, token_stride, scores.data(), acc.data());
+      T* o = out + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D] and cache [N, BS, Hkv, D] expected");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
+              "block_tables and context_lens must be int32");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  auto q = query.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim, "head shapes do not match");
+  TORCH_CHECK(head_dim <= 512, "head_dim above 512 is not supported");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+                               tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_seqs,
+                               num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}
