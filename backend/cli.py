@@ -28,6 +28,12 @@ def _cmd_chat(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from backend.serve import serve
+
+    return serve(args)
+
+
 def _cmd_bench(args) -> int:
     from backend.bench import run_throughput_bench
 
@@ -45,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=_cmd_chat)
+
+    serve = commands.add_parser("serve", help="serve the model repository with NVIDIA Triton")
+    from backend.serve import add_serve_args
+
+    add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)

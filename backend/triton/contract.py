@@ -1,0 +1,102 @@
+"""The I/O contract of Triton's vLLM backend, as plain functions over numpy values.
+
+Kept free of triton_python_backend_utils, so the parsing rules are readable (and testable)
+without a running Triton.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.engine.request import RequestOutput, SamplingParams
+
+FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
+         "return_num_input_tokens", "return_num_output_tokens")
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str
+    stream: bool
+    params: SamplingParams
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def _scalar(value: np.ndarray | None):
+    return None if value is None else value.reshape(-1)[0]
+
+
+def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str | None) -> ParsedRequest:
+    """inputs: the contract's input tensors by name (None when absent); request_parameters: Triton's JSON.
+
+    Raises ValueError with a message naming what is wrong.
+    """
+    text = _scalar(inputs.get("text_input"))
+    if text is None:
+        raise ValueError("missing input 'text_input'")
+    prompt = text.decode("utf-8", errors="strict") if isinstance(text, bytes) else str(text)
+
+    # Sampling parameters come as a JSON string input, or (generate endpoint) as request parameters.
+    raw = _scalar(inputs.get("sampling_parameters"))
+    source = "sampling_parameters"
+    if raw is None:
+        raw, source = request_parameters or "{}", "request parameters"
+    try:
+        values = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{source} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{source} must be a JSON object, got {type(values).__name__}")
+
+    stream_input = _scalar(inputs.get("stream"))
+    stream_param = values.pop("stream", False)
+    stream = bool(stream_input) if stream_input is not None else _as_bool(stream_param, "stream")
+    flags = {}
+    for name in FLAGS:
+        value = _scalar(inputs.get(name))
+        flags[name] = bool(value) if value is not None else _as_bool(values.pop(name, False), name)
+    try:
+        params = SamplingParams(**values)
+    except ValueError as e:  # pydantic's message names each offending field
+        raise ValueError(f"invalid sampling parameters: {e}") from None
+    return ParsedRequest(prompt=prompt, stream=stream, params=params, **flags)
+
+
+def _as_bool(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def response_tensors(parsed: ParsedRequest, output: RequestOutput, sent_tokens: list[int]) -> dict[str, np.ndarray]:
+    """Output tensors for one response. Streaming responses carry the text (and token count) new since
+    the previous response; a non-streaming one carries everything, prompt first unless excluded.
+    sent_tokens (per sequence, updated here) remembers what earlier responses carried.
+    """
+    completions = output.outputs
+    if parsed.stream:
+        texts = [c.delta for c in completions]
+    else:
+        prefix = "" if parsed.exclude_input_in_output else parsed.prompt
+        texts = [prefix + c.text for c in completions]
+    tensors = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
+    if parsed.return_finish_reason:
+        tensors["finish_reason"] = np.array([str(c.finish_reason).encode() for c in completions], dtype=np.object_)
+    if parsed.return_cumulative_logprob:
+        tensors["cumulative_logprob"] = np.array([c.cumulative_logprob or 0.0 for c in completions], dtype=np.float32)
+    if parsed.return_num_input_tokens:
+        tensors["num_input_tokens"] = np.array([len(output.prompt_token_ids)], dtype=np.uint32)
+    counts = [len(c.token_ids) for c in completions]
+    if parsed.return_num_output_tokens:
+        new = [n - s for n, s in zip(counts, sent_tokens)] if parsed.stream else counts
+        tensors["num_output_tokens"] = np.array(new, dtype=np.uint32)
+    sent_tokens[:] = counts
+    return tensors

@@ -1,0 +1,111 @@
+"""Find or assemble a runnable tritonserver, and run a model repository with it.
+
+On a machine with Triton installed, `tritonserver` on PATH is used as is. Otherwise the
+binary bundled in the `nvidia-pytriton` wheel runs with a python-backend directory assembled
+for the running interpreter (DESIGN.md: environment facts).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Tritonserver:
+    binary: Path
+    backend_dir: Path | None = None  # None: the installation's own
+    env: dict[str, str] = field(default_factory=dict)  # what to add to the environment
+
+
+def find_tritonserver(work_dir: Path) -> Tritonserver:
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Tritonserver(Path(on_path), env={"PYTHONPATH": _pythonpath()})
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise LaunchError("no tritonserver on PATH and the nvidia-pytriton package is not installed")
+    bundle = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    binary = bundle / "bin" / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not binary.exists() or not stub.exists():
+        raise LaunchError(f"the bundled tritonserver in {bundle} lacks the binary or a Python {version} stub")
+
+    # The python backend expects its library, utils and stub side by side.
+    python_dir = work_dir / "backends" / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for source in (bundle / "backends" / "python" / "libtriton_python.so",
+                   bundle / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        shutil.copy2(source, python_dir / source.name)
+    libs = [sysconfig.get_config_var("LIBDIR"), str(bundle.parent.parent / "nvidia_pytriton.libs")]
+    if os.environ.get("LD_LIBRARY_PATH"):
+        libs.append(os.environ["LD_LIBRARY_PATH"])
+    env = {"LD_LIBRARY_PATH": ":".join(libs), "PYTHONPATH": _pythonpath()}
+    return Tritonserver(binary, python_dir.parent, env)
+
+
+def _pythonpath() -> str:
+    # The stub embeds Python and does not see a virtualenv by itself.
+    paths = [str(REPO_ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return ":".join(dict.fromkeys(paths))
+
+
+def run_copy(repository: Path, work_dir: Path, engine_args: dict) -> Path:
+    """A copy of the repository whose model.json files carry engine_args; the user's files stay untouched.
+
+    Everything but model.json is a symlink, so model.py still resolves to this checkout.
+    """
+    if not repository.is_dir():
+        raise LaunchError(f"model repository {repository} does not exist")
+    target = work_dir / "model_repository"
+    for source in repository.rglob("*"):
+        dest = target / source.relative_to(repository)
+        if source.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+        elif source.name == "model.json" and engine_args:
+            values = json.loads(source.read_text())
+            values.update(engine_args)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(json.dumps(values, indent=2))
+        elif "__pycache__" not in source.parts:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.symlink_to(source.resolve())
+    return target
+
+
+def server_command(
+    server: Tritonserver, repository: Path, http_port: int, grpc_port: int, metrics_port: int, extra: list[str] = ()
+) -> tuple[list[str], dict[str, str]]:
+    argv = [
+        str(server.binary),
+        f"--model-repository={repository}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        "--allow-metrics=true",
+        "--exit-timeout-secs=10",
+        *extra,
+    ]
+    if server.backend_dir is not None:
+        argv.append(f"--backend-directory={server.backend_dir}")
+    return argv, {**os.environ, **server.env}
+
+
+def make_work_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="npu-llm-triton-"))

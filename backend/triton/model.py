@@ -1,0 +1,172 @@
+"""TritonPythonModel: the engine behind Triton's python backend, decoupled and streaming.
+
+Threads: Triton calls execute() and gets control back at once; each request becomes a
+coroutine on our asyncio loop (its own thread), reading an AsyncEngine stream (the engine
+steps on a third thread). Responses go out through a sender thread, since a send may block
+on IPC; that thread also notices cancelled requests, which the coroutine then aborts.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import json
+import os
+import queue
+import threading
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.config import EngineConfig
+from backend.engine.async_engine import AsyncEngine
+from backend.triton.contract import FLAGS, ParsedRequest, parse_request, response_tensors
+from backend.triton.metrics import RequestRecord, VllmMetrics
+
+INPUTS = ("text_input", "stream", "sampling_parameters") + FLAGS
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class _Sender:
+    """One request's response sender plus what the sender thread learned about it."""
+
+    def __init__(self, sender):
+        self.sender = sender
+        self.cancelled = False
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.logger = pb_utils.Logger
+        self.model_config = json.loads(args["model_config"])
+        model_dir = os.path.join(args["model_repository"], args["model_version"])
+        with open(os.path.join(model_dir, "model.json")) as f:
+            engine_args = json.load(f)
+        config = EngineConfig.from_dict(engine_args)  # unknown keys fail the load, named
+        self.engine = AsyncEngine.from_config(config)
+        self.logger.log_info(f"[npu-llm] engine ready: {config.model} on {self.engine.engine.platform.device}")
+
+        self.metrics = None
+        params = self.model_config.get("parameters", {})
+        if params.get("REPORT_CUSTOM_METRICS", {}).get("string_value", "").lower() == "true":
+            labels = {"model": args["model_name"], "version": args["model_version"]}
+            self.metrics = VllmMetrics(pb_utils, labels, self.engine.stats)
+
+        self._ids = itertools.count()
+        self._inflight: set[asyncio.Future] = set()
+        self._accepting = True
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="npu-llm-requests", daemon=True)
+        self._loop_thread.start()
+        self._responses: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender_thread = threading.Thread(target=self._send_loop, name="npu-llm-sender", daemon=True)
+        self._sender_thread.start()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def execute(self, requests):
+        for request in requests:
+            if not self._accepting:
+                self._send_error(_Sender(request.get_response_sender()), "the model is shutting down",
+                                 pb_utils.TritonError.UNAVAILABLE)
+                continue
+            future = asyncio.run_coroutine_threadsafe(self._serve(request), self._loop)
+            self._inflight.add(future)
+            future.add_done_callback(self._inflight.discard)
+        return None
+
+    async def _serve(self, request) -> None:
+        sender = _Sender(request.get_response_sender())
+        try:
+            inputs = {}
+            for name in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                inputs[name] = None if tensor is None else tensor.as_numpy()
+            parsed = parse_request(inputs, request.parameters())
+        except ValueError as e:
+            self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            return
+        request_id = f"triton-{next(self._ids)}"
+        try:
+            await self._generate(parsed, request_id, sender)
+        except ValueError as e:  # rejected by the engine (prompt too long, ...)
+            self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+        except Exception as e:
+            self.logger.log_error(f"[npu-llm] request {request_id} failed: {traceback.format_exc()}")
+            self._send_error(sender, f"generation failed: {e}", pb_utils.TritonError.INTERNAL)
+
+    async def _generate(self, parsed: ParsedRequest, request_id: str, sender: _Sender) -> None:
+        sent_tokens = [0] * parsed.params.n
+        output = None
+        async for output in self.engine.generate(parsed.prompt, parsed.params, request_id):
+            if sender.cancelled or (not parsed.stream and sender.sender.is_cancelled()):
+                self.logger.log_info(f"[npu-llm] request {request_id} cancelled")
+                self.engine.abort(request_id)
+                self._record(output)
+                self._send_error(sender, "Request was cancelled", pb_utils.TritonError.CANCELLED)
+                return
+            if parsed.stream:
+                self._queue_response(sender, response_tensors(parsed, output, sent_tokens), output.finished)
+        if not parsed.stream:
+            self._queue_response(sender, response_tensors(parsed, output, sent_tokens), True)
+        self._record(output)
+
+    def _record(self, output) -> None:
+        if self.metrics is None or output is None:
+            return
+        m = output.metrics
+        end = m.finish_time or m.first_token_time or m.arrival_time
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        tpot = (end - m.first_token_time) / (tokens - 1) if m.first_token_time and tokens > 1 else None
+        ttft = m.first_token_time - m.arrival_time if m.first_token_time else None
+        self.metrics.record(RequestRecord(len(output.prompt_token_ids), generated, ttft, tpot, end - m.arrival_time))
+
+    # -- responses --------------------------------------------------------------------------------
+
+    def _queue_response(self, sender: _Sender, tensors: dict[str, np.ndarray], final: bool) -> None:
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+        self._responses.put((sender, response, FINAL if final else 0))
+
+    def _send_error(self, sender: _Sender, message: str, code) -> None:
+        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+        self._responses.put((sender, pb_utils.InferenceResponse(error=error), FINAL))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._responses.get()
+            if item is None:
+                return
+            sender, response, flags = item
+            try:
+                sender.sender.send(response, flags)
+                if not flags & FINAL:
+                    sender.cancelled = sender.sender.is_cancelled()
+            except Exception:
+                self.logger.log_error(f"[npu-llm] sending a response failed: {traceback.format_exc()}")
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def finalize(self):
+        self.logger.log_info("[npu-llm] finalize: aborting in-flight requests")
+        self._accepting = False
+        self.engine.shutdown()  # in-flight streams end with finish_reason "abort"
+        for future in list(self._inflight):
+            try:
+                future.result(timeout=10)
+            except Exception:
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(5)
+        self._responses.put(None)
+        self._sender_thread.join(5)
+        if self.metrics is not None:
+            self.metrics.close()
+        platform = self.engine.engine.platform
+        del self.engine
+        gc.collect()
+        if platform.name == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
