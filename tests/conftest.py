@@ -79,3 +79,73 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonUnderTest:
+    def __init__(self, process, work_dir, log_path, http_port, grpc_port, metrics_port):
+        self.process, self.work_dir, self.log_path = process, work_dir, log_path
+        self.http_url = f"localhost:{http_port}"
+        self.grpc_url = f"localhost:{grpc_port}"
+        self.metrics_url = f"http://localhost:{metrics_port}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled-by-us vLLM metric line on Triton's /metrics (first match)."""
+        import urllib.request
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name} not on /metrics")
+
+    def wait_metric(self, name: str, predicate, timeout: float = 10.0) -> float:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.metric(name)
+            if predicate(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(0.1)
+
+
+# Engine arguments of the test server: fp32, so its greedy output can be compared token for token.
+TRITON_ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 512, "max_num_seqs": 16}
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, default_model_dir):
+    """A real tritonserver serving model_repository (a run copy with TRITON_ENGINE_ARGS), once per session."""
+    import shutil
+
+    from backend.serve import start_server, wait_ready
+    from backend.triton.launcher import DEFAULT_REPOSITORY
+
+    log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    ports = free_port(), free_port(), free_port()
+    with open(log_path, "w") as log:
+        process, work_dir = start_server(DEFAULT_REPOSITORY, TRITON_ENGINE_ARGS, *ports, log_file=log)
+    server = TritonUnderTest(process, work_dir, log_path, *ports)
+    try:
+        wait_ready(ports[0], process, timeout=300)
+    except Exception:
+        process.kill()
+        raise RuntimeError(f"tritonserver did not start:\n{server.log()[-5000:]}")
+    yield server
+    process.terminate()
+    try:
+        process.wait(30)
+    except Exception:
+        process.kill()
+    shutil.rmtree(work_dir, ignore_errors=True)
