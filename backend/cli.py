@@ -34,6 +34,26 @@ def _cmd_serve(args) -> int:
     return serve(args)
 
 
+def _cmd_gateway(args) -> int:
+    import os
+
+    import uvicorn
+
+    from backend.gateway.app import GatewaySettings, create_app
+
+    settings = GatewaySettings(
+        triton_url=args.triton_url,
+        triton_model=args.triton_model,
+        served_model_name=args.served_model_name or args.tokenizer,
+        tokenizer=args.tokenizer,
+        api_key=args.api_key or os.environ.get("NPU_LLM_API_KEY") or None,
+        cors_origins=args.cors_origin or [],
+        max_body_bytes=args.max_body_bytes,
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from backend.bench import run_throughput_bench
 
@@ -57,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    gateway = commands.add_parser("gateway", help="OpenAI-compatible HTTP API in front of Triton")
+    gateway.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC address")
+    gateway.add_argument("--triton-model", default="llm")
+    gateway.add_argument("--served-model-name", default=None, help="the model name clients use (default: --tokenizer)")
+    gateway.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer (chat template) of the model")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=9000)
+    gateway.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env NPU_LLM_API_KEY)")
+    gateway.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
+    gateway.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    gateway.set_defaults(func=_cmd_gateway)
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)

@@ -144,7 +144,10 @@ class LLMEngine:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt) if prompt else []
+            # A prompt rendered by a chat template carries its own BOS: don't add a second one.
+            bos = self.tokenizer.bos_token
+            special = not (bos and prompt.startswith(bos))
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=special) if prompt else []
         return None, list(prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:

@@ -12,7 +12,10 @@ import numpy as np
 
 from backend.engine.request import RequestOutput, SamplingParams
 
-FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
+# Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
+INVALID_REQUEST = "invalid request: "
+
+FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
          "return_num_input_tokens", "return_num_output_tokens")
 
 
@@ -24,6 +27,7 @@ class ParsedRequest:
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
     return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
 
@@ -95,8 +99,22 @@ def response_tensors(parsed: ParsedRequest, output: RequestOutput, sent_tokens: 
     if parsed.return_num_input_tokens:
         tensors["num_input_tokens"] = np.array([len(output.prompt_token_ids)], dtype=np.uint32)
     counts = [len(c.token_ids) for c in completions]
+    starts = sent_tokens if parsed.stream else [0] * len(completions)
     if parsed.return_num_output_tokens:
-        new = [n - s for n, s in zip(counts, sent_tokens)] if parsed.stream else counts
-        tensors["num_output_tokens"] = np.array(new, dtype=np.uint32)
+        tensors["num_output_tokens"] = np.array([n - s for n, s in zip(counts, starts)], dtype=np.uint32)
+    if parsed.return_logprobs:
+        tensors["logprobs"] = np.array(
+            [json.dumps(_logprobs(c, start)).encode() for c, start in zip(completions, starts)], dtype=np.object_
+        )
     sent_tokens[:] = counts
     return tensors
+
+
+def _logprobs(completion, start: int) -> list[dict] | None:
+    """Per generated token from `start` on: the sampled token's logprob and the top alternatives."""
+    if completion.logprobs is None:
+        return None
+    return [
+        {"token_id": token, "logprob": entry[token], "top_logprobs": {str(t): lp for t, lp in entry.items()}}
+        for token, entry in zip(completion.token_ids[start:], completion.logprobs[start:])
+    ]

@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
-from backend.triton.contract import FLAGS, ParsedRequest, parse_request, response_tensors
+from backend.triton.contract import FLAGS, INVALID_REQUEST, ParsedRequest, parse_request, response_tensors
 from backend.triton.metrics import RequestRecord, VllmMetrics
 
 INPUTS = ("text_input", "stream", "sampling_parameters") + FLAGS
@@ -85,13 +85,13 @@ class TritonPythonModel:
                 inputs[name] = None if tensor is None else tensor.as_numpy()
             parsed = parse_request(inputs, request.parameters())
         except ValueError as e:
-            self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
         request_id = f"triton-{next(self._ids)}"
         try:
             await self._generate(parsed, request_id, sender)
         except ValueError as e:  # rejected by the engine (prompt too long, ...)
-            self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
         except Exception as e:
             self.logger.log_error(f"[npu-llm] request {request_id} failed: {traceback.format_exc()}")
             self._send_error(sender, f"generation failed: {e}", pb_utils.TritonError.INTERNAL)

@@ -1,0 +1,346 @@
+"""OpenAI-compatible HTTP API (starlette + sse-starlette) in front of Triton.
+
+Each request becomes one Triton gRPC stream. The first Triton response is awaited before
+answering, so a request the engine rejects gets a proper 4xx instead of a stream that fails;
+after that, errors travel as an SSE error event. A client that disconnects cancels the
+Triton stream, and with it the engine request and its KV blocks.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import ValidationError
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend.gateway.client import Chunk, InvalidRequest, TritonClient, TritonUnavailable
+from backend.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_id,
+    error_body,
+    now,
+    usage,
+)
+
+
+@dataclass
+class GatewaySettings:
+    triton_url: str = "localhost:8001"
+    triton_model: str = "llm"
+    served_model_name: str = "smollm2-135m-instruct"
+    tokenizer: str = "smollm2-135m-instruct"
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)
+    max_body_bytes: int = 1 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status)
+
+
+@dataclass
+class _Totals:
+    prompt: int = 0
+    completion: int = 0
+
+
+class _Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("npu_llm_gateway_requests_total", "HTTP requests by endpoint and status.",
+                                ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram("npu_llm_gateway_request_duration_seconds", "Request latency (to the last byte).",
+                                 ["endpoint"], registry=self.registry)
+        self.ttft = Histogram("npu_llm_gateway_time_to_first_token_seconds", "Time to the first generated text.",
+                              ["endpoint"], registry=self.registry)
+
+
+def _load_tokenizer(name_or_path: str):
+    from backend.engine.tokenizer import load_tokenizer
+    from backend.models.registry import resolve_model
+
+    return load_tokenizer(resolve_model(name_or_path))
+
+
+def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
+    tokenizer = tokenizer or _load_tokenizer(settings.tokenizer)
+    metrics = _Metrics()
+    triton: TritonClient = None  # made in lifespan: grpc.aio channels belong to the serving event loop
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        nonlocal triton
+        triton = TritonClient(settings.triton_url, settings.triton_model)
+        yield
+        await triton.close()
+
+    async def read_body(request: Request) -> dict:
+        if settings.api_key is not None:
+            if request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
+                raise ApiError(401, "invalid or missing API key", "authentication_error")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
+            raise ApiError(413, f"request body over {settings.max_body_bytes} bytes")
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > settings.max_body_bytes:
+                raise ApiError(413, f"request body over {settings.max_body_bytes} bytes")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return data
+
+    def validate(model_cls, data: dict):
+        try:
+            parsed = model_cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
+        if parsed.model != settings.served_model_name:
+            raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves "
+                                f"{settings.served_model_name!r}", "not_found_error", "model")
+        return parsed
+
+    async def first_chunk(prompt: str, req, echo: bool, logprobs: bool, request_id: str):
+        stream = triton.generate(prompt, req.engine_parameters(), req.stream, echo, logprobs, request_id)
+        try:
+            return await anext(stream), stream
+        except InvalidRequest as e:
+            raise ApiError(400, str(e)) from None
+        except TritonUnavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+        except StopAsyncIteration:
+            raise ApiError(500, "Triton closed the stream without a response", "internal_error") from None
+        except RuntimeError as e:
+            raise ApiError(500, str(e), "internal_error") from None
+
+    async def handle(endpoint: str, request: Request, work) -> Response:
+        start = time.perf_counter()
+        try:
+            response = await work(request, start)
+        except ApiError as e:
+            response = e.response()
+        except ClientDisconnect:
+            response = Response(status_code=499)
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if not isinstance(response, EventSourceResponse):
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        return response
+
+    # -- chat -------------------------------------------------------------------------------------
+
+    async def chat(request: Request, start: float) -> Response:
+        req = validate(ChatCompletionRequest, await read_body(request))
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        try:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template itself rejects the conversation (e.g. roles out of order)
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        rid = completion_id("chatcmpl")
+        chunk, stream = await first_chunk(prompt, req, False, req.logprobs, rid)
+        metrics.ttft.labels("chat").observe(time.perf_counter() - start)
+        if req.stream:
+            return EventSourceResponse(_chat_events(req, rid, chunk, stream, start))
+        texts, logprobs, reasons, n_in, n_out = await _gather(chunk, stream, req.n)
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": texts[i]},
+             "logprobs": _chat_logprobs(logprobs[i], req.top_logprobs) if req.logprobs else None,
+             "finish_reason": reasons[i]}
+            for i in range(req.n)
+        ]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": req.model,
+                             "choices": choices, "usage": usage(n_in, sum(n_out))})
+
+    async def _chat_events(req, rid, chunk: Chunk, stream, start) -> AsyncIterator[str]:
+        created = now()
+
+        def event(choices, **extra):
+            return json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                               "choices": choices, **extra})
+
+        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(req.n)])
+        totals = _Totals()
+        async for c in _relay(chunk, stream, req, "chat", start, totals):
+            if isinstance(c, str):  # an error after the stream started
+                yield c
+                return
+            choices = []
+            for i in range(len(c.texts)):
+                if c.texts[i] or c.finish_reasons[i]:
+                    lp = _chat_logprobs(c.logprobs[i], req.top_logprobs) if req.logprobs and c.logprobs else None
+                    delta = {"content": c.texts[i]} if c.texts[i] else {}
+                    choices.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reasons[i]})
+            if choices:
+                yield event(choices)
+        if req.include_usage:
+            yield event([], usage=usage(totals.prompt, totals.completion))
+        yield "[DONE]"
+
+    # -- completions ------------------------------------------------------------------------------
+
+    async def completions(request: Request, start: float) -> Response:
+        req = validate(CompletionRequest, await read_body(request))
+        prompt = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(req.prompt)
+        rid = completion_id("cmpl")
+        chunk, stream = await first_chunk(prompt, req, req.echo and not req.stream, req.logprobs is not None, rid)
+        metrics.ttft.labels("completions").observe(time.perf_counter() - start)
+        if req.stream:
+            return EventSourceResponse(_completion_events(req, rid, prompt, chunk, stream, start))
+        texts, logprobs, reasons, n_in, n_out = await _gather(chunk, stream, req.n)
+        choices = [{"index": i, "text": texts[i], "logprobs": _completion_logprobs(logprobs[i]) if req.logprobs is not None
+                    else None, "finish_reason": reasons[i]} for i in range(req.n)]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": req.model,
+                             "choices": choices, "usage": usage(n_in, sum(n_out))})
+
+    async def _completion_events(req, rid, prompt, chunk, stream, start) -> AsyncIterator[str]:
+        created = now()
+
+        def event(choices, **extra):
+            return json.dumps({"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                               "choices": choices, **extra})
+
+        if req.echo:
+            yield event([{"index": i, "text": prompt, "logprobs": None, "finish_reason": None} for i in range(req.n)])
+        totals = _Totals()
+        async for c in _relay(chunk, stream, req, "completions", start, totals):
+            if isinstance(c, str):
+                yield c
+                return
+            choices = [{"index": i, "text": c.texts[i], "finish_reason": c.finish_reasons[i],
+                        "logprobs": _completion_logprobs(c.logprobs[i]) if req.logprobs is not None and c.logprobs
+                        else None}
+                       for i in range(len(c.texts)) if c.texts[i] or c.finish_reasons[i]]
+            if choices:
+                yield event(choices)
+        if req.include_usage:
+            yield event([], usage=usage(totals.prompt, totals.completion))
+        yield "[DONE]"
+
+    # -- shared streaming helpers -----------------------------------------------------------------
+
+    async def _relay(chunk: Chunk, stream, req, endpoint: str, start: float, totals: "_Totals"):
+        """The chunks of a started stream; an error becomes one SSE error payload. Counts tokens into totals."""
+        totals.prompt = chunk.num_input_tokens or 0
+        try:
+            while True:
+                totals.completion += sum(chunk.num_new_tokens)
+                yield chunk
+                if chunk.final:
+                    break
+                chunk = await anext(stream)
+        except StopAsyncIteration:
+            pass
+        except Exception as e:  # after the 200: tell the client in-band, then end the stream
+            yield json.dumps(error_body(str(e), "internal_error", 500))
+        finally:
+            await stream.aclose()
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+    async def _gather(chunk: Chunk, stream, n: int):
+        """A whole non-streaming answer (one Triton response, but read to the end of the stream)."""
+        texts, logprobs, reasons, counts = [""] * n, [None] * n, [None] * n, [0] * n
+        n_in = chunk.num_input_tokens or 0
+        try:
+            while True:
+                for i in range(len(chunk.texts)):
+                    texts[i] += chunk.texts[i]
+                    counts[i] += chunk.num_new_tokens[i]
+                    reasons[i] = chunk.finish_reasons[i] or reasons[i]
+                    if chunk.logprobs and chunk.logprobs[i]:
+                        logprobs[i] = (logprobs[i] or []) + chunk.logprobs[i]
+                if chunk.final:
+                    break
+                chunk = await anext(stream)
+        except StopAsyncIteration:
+            pass
+        finally:
+            await stream.aclose()
+        return texts, logprobs, reasons, n_in, counts
+
+    def _token(token_id: int | str) -> str:
+        return tokenizer.decode([int(token_id)])
+
+    def _chat_logprobs(entries: list[dict] | None, k: int | None) -> dict | None:
+        if entries is None:
+            return None
+
+        def item(token_id, logprob):
+            token = _token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        content = []
+        for e in entries:
+            top = sorted(e["top_logprobs"].items(), key=lambda kv: -kv[1])[: k or 0]
+            content.append({**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in top]})
+        return {"content": content}
+
+    def _completion_logprobs(entries: list[dict] | None) -> dict | None:
+        if entries is None:
+            return None
+        return {"tokens": [_token(e["token_id"]) for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{_token(t): lp for t, lp in e["top_logprobs"].items()} for e in entries],
+                "text_offset": None}
+
+    # -- the rest ---------------------------------------------------------------------------------
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.served_model_name, "object": "model", "created": now(), "owned_by": "npu-llm"}]})
+
+    async def health(request: Request) -> Response:
+        if await triton.ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body(f"Triton model {settings.triton_model!r} at {settings.triton_url} is not ready",
+                                       "service_unavailable", 503), status_code=503)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def guarded_models(request: Request) -> Response:
+        if settings.api_key is not None and request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
+            return ApiError(401, "invalid or missing API key", "authentication_error").response()
+        return await models(request)
+
+    async def chat_endpoint(request: Request) -> Response:
+        return await handle("chat", request, chat)
+
+    async def completions_endpoint(request: Request) -> Response:
+        return await handle("completions", request, completions)
+
+    routes = [
+        Route("/v1/chat/completions", chat_endpoint, methods=["POST"]),
+        Route("/v1/completions", completions_endpoint, methods=["POST"]),
+        Route("/v1/models", guarded_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    middleware = []
+    if settings.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                                     allow_headers=["*"]))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.settings = settings
+    return app

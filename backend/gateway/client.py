@@ -1,0 +1,109 @@
+"""Triton gRPC client for the gateway: one bidirectional stream per request (tritonclient.grpc.aio)."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backend.triton.contract import INVALID_REQUEST
+
+
+class TritonUnavailable(RuntimeError):
+    """Triton cannot be reached or the model is not ready."""
+
+
+class InvalidRequest(ValueError):
+    """The engine rejected the request's content."""
+
+
+@dataclass
+class Chunk:
+    """One Triton response: per choice, the new text, new token count and (if asked) logprobs."""
+
+    texts: list[str]
+    num_new_tokens: list[int]
+    finish_reasons: list[str | None]
+    num_input_tokens: int | None
+    logprobs: list[list[dict] | None] = field(default_factory=list)
+    final: bool = False  # the request's last response
+
+
+def _tensor(name: str, value, triton_type: str):
+    t = grpcclient.InferInput(name, [1], triton_type)
+    t.set_data_from_numpy(np.array([value], dtype=np.object_ if triton_type == "BYTES" else bool))
+    return t
+
+
+class TritonClient:
+    def __init__(self, url: str, model: str):
+        self.url = url
+        self.model = model
+        self._client = grpcclient.InferenceServerClient(url)
+
+    async def ready(self, timeout: float = 2.0) -> bool:
+        try:
+            return await self._client.is_model_ready(self.model, client_timeout=timeout)
+        except InferenceServerException:
+            return False
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def generate(self, prompt: str, parameters: dict, stream: bool, echo: bool, logprobs: bool,
+                       request_id: str) -> AsyncIterator[Chunk]:
+        """Responses of one request; leaving the iteration early cancels it on the server."""
+        inputs = [
+            _tensor("text_input", prompt.encode(), "BYTES"),
+            _tensor("sampling_parameters", json.dumps(parameters).encode(), "BYTES"),
+            _tensor("stream", stream, "BOOL"),
+            _tensor("exclude_input_in_output", not echo, "BOOL"),
+            _tensor("return_finish_reason", True, "BOOL"),
+            _tensor("return_num_input_tokens", True, "BOOL"),
+            _tensor("return_num_output_tokens", True, "BOOL"),
+            _tensor("return_logprobs", logprobs, "BOOL"),
+        ]
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+
+        responses = self._client.stream_infer(inputs_iterator=requests())
+        done = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    done = True
+                    message = error.message()
+                    if message.startswith(INVALID_REQUEST):
+                        raise InvalidRequest(message[len(INVALID_REQUEST):])
+                    raise RuntimeError(message)
+                chunk = _chunk(result)
+                if chunk.final:
+                    done = True
+                yield chunk
+                if done:
+                    return
+        except InferenceServerException as e:
+            raise TritonUnavailable(f"Triton at {self.url} is unreachable: {e.message()}") from e
+        finally:
+            if not done:  # the client went away: cancel, so the engine aborts and frees the request's blocks
+                responses.cancel()
+
+
+def _chunk(result) -> Chunk:
+    response = result.get_response()
+    names = {o.name for o in response.outputs}
+
+    def strings(name):
+        return [v.decode() for v in result.as_numpy(name)] if name in names else []
+
+    texts = strings("text_output")
+    counts = result.as_numpy("num_output_tokens").tolist() if "num_output_tokens" in names else [0] * len(texts)
+    reasons = [None if r == "None" else r for r in strings("finish_reason")] or [None] * len(texts)
+    num_input = int(result.as_numpy("num_input_tokens")[0]) if "num_input_tokens" in names else None
+    logprobs = [json.loads(v) for v in strings("logprobs")]
+    # every sequence has a finish reason only in the last response of a request
+    return Chunk(texts, counts, reasons, num_input, logprobs, final=bool(reasons) and all(reasons))
