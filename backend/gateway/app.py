@@ -71,6 +71,13 @@ class _Metrics:
                               ["endpoint"], registry=self.registry)
 
 
+def _is_union_branch(loc_part) -> bool:
+    """pydantic puts the tried type of a union into an error's location ("stop.str"): not a field name."""
+    return isinstance(loc_part, str) and (
+        loc_part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in loc_part or "-" in loc_part
+    )
+
+
 def _load_tokenizer(name_or_path: str):
     from backend.engine.tokenizer import load_tokenizer
     from backend.models.registry import resolve_model
@@ -115,7 +122,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
             parsed = model_cls.model_validate(data)
         except ValidationError as e:
             first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"])
+            param = ".".join(str(p) for p in first["loc"] if not _is_union_branch(p))
             raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
         if parsed.model != settings.served_model_name:
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves "

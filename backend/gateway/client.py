@@ -5,6 +5,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -86,8 +87,9 @@ class TritonClient:
                 yield chunk
                 if done:
                     return
-        except InferenceServerException as e:
-            raise TritonUnavailable(f"Triton at {self.url} is unreachable: {e.message()}") from e
+        except (InferenceServerException, grpc.RpcError) as e:  # transport failures, not request errors
+            detail = e.message() if isinstance(e, InferenceServerException) else e.details()
+            raise TritonUnavailable(f"Triton at {self.url} is unreachable: {detail}") from e
         finally:
             if not done:  # the client went away: cancel, so the engine aborts and frees the request's blocks
                 responses.cancel()

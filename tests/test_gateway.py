@@ -1,0 +1,175 @@
+"""The OpenAI-compatible gateway, in front of a real tritonserver, through the official openai SDK and raw HTTP."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from backend import LLM, SamplingParams
+from backend.engine.tokenizer import chat_prompt_ids
+from tests.conftest import GATEWAY_API_KEY, TRITON_ENGINE_ARGS, free_port, start_gateway
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name two planets."}]
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{gateway}/v1", api_key=GATEWAY_API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    return LLM(**TRITON_ENGINE_ARGS)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_stream_equals_non_stream_and_engine(client, reference_llm):
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    [expected] = reference_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=24))
+    assert streamed == whole.choices[0].message.content == expected.outputs[0].text
+    prompt_ids = chat_prompt_ids(reference_llm.get_tokenizer(), MESSAGES)
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.choices[0].finish_reason == chunks[-2].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_text_completion_stream_and_echo(client, reference_llm):
+    prompt = "The four seasons are"
+    whole = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=16, stream=True) if c.choices)
+    [expected] = reference_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))
+    assert whole.choices[0].text == streamed == expected.outputs[0].text
+    echoed = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, echo=True)
+    assert echoed.choices[0].text == prompt + expected.outputs[0].text
+    ids = reference_llm.get_tokenizer().encode(prompt)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=16)
+    assert by_ids.choices[0].text == expected.outputs[0].text
+
+
+def test_n_and_sampling_fields(client):
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, temperature=1.0, seed=7,
+                                            max_completion_tokens=12, presence_penalty=0.5, frequency_penalty=0.2,
+                                            top_p=0.95, stop=["\n\n"])
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    assert all(c.message.content for c in result.choices)
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, temperature=1.0, seed=7,
+                                           max_completion_tokens=12, presence_penalty=0.5, frequency_penalty=0.2,
+                                           top_p=0.95, stop=["\n\n"])
+    assert [c.message.content for c in again.choices] == [c.message.content for c in result.choices]
+
+
+def test_logprobs(client):
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=5,
+                                            logprobs=True, top_logprobs=3)
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    assert "".join(t.token for t in content) == result.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert t.top_logprobs[0].logprob >= t.logprob - 1e-6  # greedy: the sampled token is the most likely
+
+
+def test_disconnect_mid_stream_frees_the_request(gateway, triton_server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
+            "max_tokens": 1500, "stream": True}
+    headers = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 3:
+                        break
+    assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
+    assert triton_server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=15) == 0
+    assert triton_server.metric("vllm:generation_tokens_total") >= 0
+    ok = httpx.post(f"{gateway}/v1/completions", headers=headers, timeout=60,
+                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+BAD_REQUESTS = [
+    ("bad-json", "/v1/chat/completions", b"{not json", {}, 400, None),
+    ("body-not-object", "/v1/chat/completions", b"[1, 2]", {}, 400, None),
+    ("temperature-negative", "/v1/chat/completions", {**GOOD_CHAT, "temperature": -1}, {}, 400, "temperature"),
+    ("temperature-type", "/v1/chat/completions", {**GOOD_CHAT, "temperature": "hot"}, {}, 400, "temperature"),
+    ("top-p-zero", "/v1/chat/completions", {**GOOD_CHAT, "top_p": 0}, {}, 400, "top_p"),
+    ("max-tokens-zero", "/v1/chat/completions", {**GOOD_CHAT, "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("n-zero", "/v1/chat/completions", {**GOOD_CHAT, "n": 0}, {}, 400, "n"),
+    ("empty-messages", "/v1/chat/completions", {**GOOD_CHAT, "messages": []}, {}, 400, "messages"),
+    ("unknown-role", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, {}, 400,
+     "messages.0.role"),
+    ("messages-type", "/v1/chat/completions", {**GOOD_CHAT, "messages": "hello"}, {}, 400, "messages"),
+    ("missing-model", "/v1/chat/completions", {"messages": GOOD_CHAT["messages"]}, {}, 400, "model"),
+    ("unknown-model", "/v1/chat/completions", {**GOOD_CHAT, "model": "gpt-9"}, {}, 404, "model"),
+    ("stop-type", "/v1/chat/completions", {**GOOD_CHAT, "stop": 5}, {}, 400, "stop"),
+    ("prompt-over-max-model-len", "/v1/completions", {"model": MODEL, "prompt": "word " * 9000, "max_tokens": 2}, {},
+     400, None),
+    ("empty-prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, {}, 400, "prompt"),
+    ("echo-type", "/v1/completions", {"model": MODEL, "prompt": "x", "echo": "loud"}, {}, 400, "echo"),
+    ("wrong-api-key", "/v1/chat/completions", GOOD_CHAT, {"Authorization": "Bearer nope"}, 401, None),
+    ("no-api-key", "/v1/chat/completions", GOOD_CHAT, {"Authorization": None}, 401, None),
+    ("oversize-body", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "x" * 300000}]},
+     {}, 413, None),
+]
+
+
+@pytest.mark.parametrize("path, body, headers, status, param", [b[1:] for b in BAD_REQUESTS],
+                         ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors(gateway, path, body, headers, status, param):
+    all_headers = {"Authorization": f"Bearer {GATEWAY_API_KEY}", "Content-Type": "application/json", **headers}
+    all_headers = {k: v for k, v in all_headers.items() if v is not None}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{gateway}{path}", content=data, headers=all_headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == status
+    if param is not None:
+        assert error["param"] == param and param.split(".")[0] in error["message"]
+    good = httpx.post(f"{gateway}/v1/chat/completions", json=GOOD_CHAT, timeout=60,
+                      headers={"Authorization": f"Bearer {GATEWAY_API_KEY}"})
+    assert good.status_code == 200
+
+
+def test_gateway_metrics(gateway):
+    text = httpx.get(f"{gateway}/metrics").text
+    assert 'npu_llm_gateway_requests_total{endpoint="chat",status="200"}' in text
+    assert "npu_llm_gateway_request_duration_seconds_bucket" in text
+
+
+def test_triton_down_gives_503_quickly(tmp_path):
+    port = free_port()
+    dead = f"localhost:{free_port()}"  # nothing listens there
+    process = start_gateway(dead, port, tmp_path / "gateway.log", api_key=None)
+    try:
+        start = time.monotonic()
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        completion = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                                json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        elapsed = time.monotonic() - start
+        assert health.status_code == 503 and completion.status_code == 503
+        assert completion.json()["error"]["code"] == 503
+        assert elapsed < 10
+    finally:
+        process.terminate()
+        process.wait(15)
