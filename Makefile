@@ -1,4 +1,4 @@
-# The two commands: `make up` (chat with the default model) and `make test`.
+# The two commands: `make up` (the whole stack: Triton, OpenAI gateway, chat UI) and `make test`.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 up: install
-	$(BIN)/npu-llm chat
+	$(BIN)/npu-llm up
 
 test: install
 	$(BIN)/python -m pytest

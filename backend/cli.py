@@ -54,6 +54,18 @@ def _cmd_gateway(args) -> int:
     return 0
 
 
+def _cmd_ui(args) -> int:
+    from ui.chat import run_ui
+
+    return run_ui(args)
+
+
+def _cmd_up(args) -> int:
+    from backend.up import up
+
+    return up(args)
+
+
 def _cmd_bench(args) -> int:
     from backend.bench import run_throughput_bench
 
@@ -89,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     gateway.add_argument("--max-body-bytes", type=int, default=1 << 20)
     gateway.set_defaults(func=_cmd_gateway)
+
+    ui = commands.add_parser("ui", help="Gradio chat UI (a client of the gateway)")
+    ui.add_argument("--gateway-url", default="http://127.0.0.1:9000")
+    ui.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
+    ui.add_argument("--api-key", default=None, help="the gateway's API key, if it has one")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=7860)
+    ui.set_defaults(func=_cmd_ui)
+
+    up = commands.add_parser("up", help="Triton + gateway + chat UI, from one command")
+    add_serve_args(up)
+    up.add_argument("--host", default="127.0.0.1", help="where the gateway and the UI listen")
+    up.add_argument("--gateway-port", type=int, default=9000)
+    up.add_argument("--ui-port", type=int, default=7860)
+    up.set_defaults(func=_cmd_up)
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -48,12 +49,12 @@ def check_port_free(port: int, name: str) -> None:
             raise LaunchError(f"{name} port {port} is already in use") from None
 
 
-def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> None:
+def wait_http(url: str, process: subprocess.Popen, name: str, timeout: float = READY_TIMEOUT_S) -> None:
+    """Until `url` answers 200; fails early if the process serving it exits."""
     deadline = time.monotonic() + timeout
-    url = f"http://127.0.0.1:{http_port}/v2/health/ready"
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise LaunchError(f"tritonserver exited with status {process.returncode} before it was ready (see its log above)")
+            raise LaunchError(f"{name} exited with status {process.returncode} before it was ready (see its log above)")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -61,11 +62,15 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = READY
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
-    raise LaunchError(f"tritonserver not ready after {timeout:.0f} s")
+    raise LaunchError(f"{name} not ready after {timeout:.0f} s")
+
+
+def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> None:
+    wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready", process, "tritonserver", timeout)
 
 
 def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port: int, metrics_port: int,
-                 extra: list[str] = (), log_file=None) -> tuple[subprocess.Popen, Path]:
+                 extra: list[str] = (), log_file=None, new_session: bool = False) -> tuple[subprocess.Popen, Path]:
     """Start tritonserver on a run copy of the repository (not waiting for it); returns the process and its work dir."""
     for port, name in ((http_port, "HTTP"), (grpc_port, "gRPC"), (metrics_port, "metrics")):
         check_port_free(port, name)
@@ -73,19 +78,42 @@ def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port:
     server = find_tritonserver(work_dir)
     argv, env = server_command(server, run_copy(repository, work_dir, engine_args), http_port, grpc_port,
                                metrics_port, list(extra))
-    process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
+    process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
+                               start_new_session=new_session)
     return process, work_dir
 
 
-def serve(args) -> int:
+def stop_process_group(process: subprocess.Popen, grace_s: float = 8.0) -> None:
+    """SIGTERM, a grace period, then SIGKILL for whatever is left of the process's group (started with
+    new_session=True), so children such as Triton's python stub never outlive it."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def checked_engine_args(args) -> tuple[Path, dict, EngineConfig]:
+    """(repository, engine-arg overrides, the resulting config), failing here in one line rather than inside Triton."""
     repository = Path(args.model_repository).resolve()
     engine_args = parse_engine_args(args.engine_arg or [])
     if args.model:
         engine_args["model"] = args.model
     model_json = repository / "llm" / "1" / "model.json"
     base = json.loads(model_json.read_text()) if model_json.exists() else {}
-    config = EngineConfig.from_dict({**base, **engine_args})  # fail here, in one line, not inside Triton
+    config = EngineConfig.from_dict({**base, **engine_args})
     resolve_model(config.model)
+    return repository, engine_args, config
+
+
+def serve(args) -> int:
+    repository, engine_args, config = checked_engine_args(args)
 
     process, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
                                      args.triton_arg or [])

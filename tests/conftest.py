@@ -129,25 +129,21 @@ def triton_server(tmp_path_factory, default_model_dir):
     """A real tritonserver serving model_repository (a run copy with TRITON_ENGINE_ARGS), once per session."""
     import shutil
 
-    from backend.serve import start_server, wait_ready
+    from backend.serve import start_server, stop_process_group, wait_ready
     from backend.triton.launcher import DEFAULT_REPOSITORY
 
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     ports = free_port(), free_port(), free_port()
     with open(log_path, "w") as log:
-        process, work_dir = start_server(DEFAULT_REPOSITORY, TRITON_ENGINE_ARGS, *ports, log_file=log)
+        process, work_dir = start_server(DEFAULT_REPOSITORY, TRITON_ENGINE_ARGS, *ports, log_file=log, new_session=True)
     server = TritonUnderTest(process, work_dir, log_path, *ports)
     try:
         wait_ready(ports[0], process, timeout=300)
     except Exception:
-        process.kill()
+        stop_process_group(process, grace_s=0)
         raise RuntimeError(f"tritonserver did not start:\n{server.log()[-5000:]}")
     yield server
-    process.terminate()
-    try:
-        process.wait(30)
-    except Exception:
-        process.kill()
+    stop_process_group(process, grace_s=20)
     shutil.rmtree(work_dir, ignore_errors=True)
 
 

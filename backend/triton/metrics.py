@@ -25,7 +25,7 @@ class RequestRecord:
 
 
 class VllmMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str], stats_fn):
+    def __init__(self, pb_utils, labels: dict[str, str], stats_fn, info: dict[str, str]):
         Family = pb_utils.MetricFamily
         # Keep every family referenced: a collected family invalidates its metrics.
         self.families = []
@@ -51,6 +51,10 @@ class VllmMetrics:
         self.prefix_hit_rate = family(
             "vllm:prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens (0 to 1).", Family.GAUGE
         )
+        # What runs behind the endpoint (an info metric: the labels carry it, the value is 1).
+        info_family = Family(name="npu_llm:engine_info", description="Engine model and device.", kind=Family.GAUGE)
+        self.families.append(info_family)
+        info_family.Metric(labels={**labels, **info}).set(1)
         self._stats_fn = stats_fn
         self._records: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()

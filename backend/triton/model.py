@@ -51,7 +51,8 @@ class TritonPythonModel:
         params = self.model_config.get("parameters", {})
         if params.get("REPORT_CUSTOM_METRICS", {}).get("string_value", "").lower() == "true":
             labels = {"model": args["model_name"], "version": args["model_version"]}
-            self.metrics = VllmMetrics(pb_utils, labels, self.engine.stats)
+            info = {"engine_model": config.model, "device": str(self.engine.engine.platform.device)}
+            self.metrics = VllmMetrics(pb_utils, labels, self.engine.stats, info)
 
         self._ids = itertools.count()
         self._inflight: set[asyncio.Future] = set()

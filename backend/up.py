@@ -1,0 +1,60 @@
+"""`npu-llm up`: Triton, the gateway and the UI from one command, each started once the one below is ready.
+
+Children run in their own sessions, so the terminal's Ctrl-C reaches only us; we stop them in
+reverse order (UI, gateway, Triton), give each a grace period, then kill what is left of its
+process group (the Triton python stub included), so no process or port outlives us.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+from backend.serve import checked_engine_args, start_server, stop_process_group, wait_http, wait_ready
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "backend.cli", *args], start_new_session=True)
+
+
+def up(args) -> int:
+    repository, engine_args, config = checked_engine_args(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    children: list[subprocess.Popen] = []
+    work_dir = None
+    try:
+        triton, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
+                                        args.triton_arg or [], new_session=True)
+        children.append(triton)
+        wait_ready(args.http_port, triton)
+        gateway = _spawn("gateway", "--triton-url", f"localhost:{args.grpc_port}", "--host", args.host,
+                         "--port", str(args.gateway_port), "--tokenizer", config.model)
+        children.append(gateway)
+        wait_http(f"http://127.0.0.1:{args.gateway_port}/health", gateway, "gateway", timeout=120)
+        ui = _spawn("ui", "--gateway-url", f"http://127.0.0.1:{args.gateway_port}", "--host", args.host,
+                    "--metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics", "--port", str(args.ui_port))
+        children.append(ui)
+        wait_http(f"http://127.0.0.1:{args.ui_port}/", ui, "ui", timeout=120)
+        print(f"npu-llm is up ({config.model}):\n"
+              f"  chat UI      http://{args.host}:{args.ui_port}\n"
+              f"  OpenAI API   http://{args.host}:{args.gateway_port}/v1\n"
+              f"  Triton       http://localhost:{args.http_port} (gRPC localhost:{args.grpc_port}, "
+              f"metrics http://localhost:{args.metrics_port}/metrics)\n"
+              "Ctrl-C stops all three.", flush=True)
+        while not stop.wait(0.5):
+            exited = [c for c in children if c.poll() is not None]
+            if exited:
+                print(f"npu-llm: a service exited (status {exited[0].returncode}); stopping the others",
+                      file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        for child in reversed(children):
+            stop_process_group(child)
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)

@@ -1,0 +1,190 @@
+"""Gradio chat UI: an ordinary OpenAI client of the gateway, with a panel of Triton's metrics.
+
+Replies stream token by token; Stop cancels the Gradio event, which closes the HTTP stream, so
+the gateway cancels the Triton request and the engine frees it. The server panel refreshes
+from Triton's /metrics every few seconds.
+"""
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass
+
+import gradio as gr
+import pandas as pd
+from openai import OpenAI, OpenAIError
+from prometheus_client.parser import text_string_to_metric_families
+
+REFRESH_S = 3.0
+HISTORY_S = 300  # throughput plot window
+
+
+@dataclass
+class UISettings:
+    gateway_url: str = "http://127.0.0.1:9000"
+    metrics_url: str = "http://127.0.0.1:8002/metrics"
+    api_key: str | None = None
+
+
+def _error_text(e: Exception) -> str:
+    """A readable one-liner for the chat, never a traceback."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body["error"].get("message", str(e))
+    if isinstance(body, dict) and "message" in body:
+        return str(body["message"])
+    return getattr(e, "message", None) or str(e) or type(e).__name__
+
+
+class ChatBackend:
+    def __init__(self, settings: UISettings):
+        self.settings = settings
+        self.client = OpenAI(base_url=f"{settings.gateway_url}/v1", api_key=settings.api_key or "unused",
+                             max_retries=0, timeout=300)
+        self.samples: deque[tuple[float, float]] = deque()  # (time, vllm:generation_tokens_total)
+        self._model: str | None = None
+
+    def model(self) -> str:
+        if self._model is None:
+            self._model = self.client.models.list().data[0].id
+        return self._model
+
+    def stream_reply(self, history: list[dict], system: str, temperature: float, top_p: float, max_tokens: int,
+                     seed: float | None):
+        """Yields (reply so far, stats line) while the reply streams."""
+        messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
+            {"role": m["role"], "content": m["content"]} for m in history]
+        start, first, text, chunks, tokens = time.perf_counter(), None, "", 0, None
+        stream = self.client.chat.completions.create(
+            model=self.model(), messages=messages, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens),
+            seed=None if seed is None or seed < 0 else int(seed), stream=True, stream_options={"include_usage": True})
+        try:
+            for chunk in stream:
+                if chunk.usage is not None:  # the exact count, in the last chunk
+                    tokens = chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first or time.perf_counter()
+                    text += chunk.choices[0].delta.content
+                    chunks += 1  # one per engine step: a token, or a few that complete a character
+                    yield text, _stats(start, first, chunks, streaming=True)
+            yield text, _stats(start, first, tokens or chunks, streaming=False)
+        finally:
+            stream.close()  # on Stop too: closing the connection cancels the request on the server
+
+    def server_panel(self) -> tuple[str, pd.DataFrame]:
+        try:
+            with urllib.request.urlopen(self.settings.metrics_url, timeout=2) as r:
+                families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        except OSError as e:
+            return f"**Server** unreachable ({e})", self.throughput()
+
+        def value(name: str) -> float:
+            family = families.get(name)
+            return family.samples[0].value if family and family.samples else 0.0
+
+        info = families.get("npu_llm:engine_info")
+        labels = info.samples[0].labels if info and info.samples else {}
+        generated = families.get("vllm:generation_tokens")  # the parser strips _total from counters
+        now = time.time()
+        self.samples.append((now, generated.samples[0].value if generated and generated.samples else 0.0))
+        while self.samples and self.samples[0][0] < now - HISTORY_S:
+            self.samples.popleft()
+        panel = (
+            f"**Model** {labels.get('engine_model', '?')} · **Device** {labels.get('device', '?')} · "
+            f"**KV cache** {value('vllm:kv_cache_usage_perc') * 100:.1f}% · "
+            f"**Running** {value('vllm:num_requests_running'):.0f} · "
+            f"**Waiting** {value('vllm:num_requests_waiting'):.0f} · "
+            f"**Prefix-cache hit rate** {value('vllm:prefix_cache_hit_rate') * 100:.0f}%"
+        )
+        return panel, self.throughput()
+
+    def throughput(self) -> pd.DataFrame:
+        points, now = list(self.samples), time.time()
+        rows = [{"seconds ago": round(now - t1, 1), "tokens/s": (v1 - v0) / (t1 - t0)}
+                for (t0, v0), (t1, v1) in zip(points, points[1:]) if t1 > t0]
+        return pd.DataFrame(rows, columns=["seconds ago", "tokens/s"])
+
+
+def _stats(start: float, first: float | None, tokens: int | None, streaming: bool) -> str:
+    if first is None:
+        return "waiting for the first token…"
+    ttft = first - start
+    elapsed = time.perf_counter() - first
+    parts = [f"TTFT {ttft:.2f} s"]
+    if tokens:
+        parts.append(f"{tokens} tokens")
+        if elapsed > 0 and tokens > 1:
+            parts.append(f"{(tokens - 1) / elapsed:.1f} tokens/s")
+    return " · ".join(parts) + (" · streaming…" if streaming else "")
+
+
+def build_app(settings: UISettings) -> gr.Blocks:
+    backend = ChatBackend(settings)
+
+    def respond(history, system, temperature, top_p, max_tokens, seed):
+        history = list(history)
+        history.append({"role": "assistant", "content": ""})
+        try:
+            for text, stats in backend.stream_reply(history[:-1], system, temperature, top_p, max_tokens, seed):
+                history[-1] = {"role": "assistant", "content": text}
+                yield history, stats
+        except (OpenAIError, OSError, ValueError) as e:
+            history[-1] = {"role": "assistant", "content": f"⚠️ {_error_text(e)}"}
+            yield history, "request failed"
+
+    def add_user(message, history):
+        if not message.strip():
+            return "", history
+        return "", list(history) + [{"role": "user", "content": message}]
+
+    def drop_last_reply(history):
+        history = list(history)
+        while history and history[-1]["role"] == "assistant":
+            history.pop()
+        return history
+
+    with gr.Blocks(title="npu-llm chat") as app:
+        gr.Markdown("## npu-llm chat")
+        panel = gr.Markdown("**Server** connecting…", elem_id="server-panel")
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=460)
+                stats = gr.Markdown("", elem_id="reply-stats")
+                message = gr.Textbox(placeholder="Ask something…", show_label=False, elem_id="message")
+                with gr.Row():
+                    send = gr.Button("Send", variant="primary", elem_id="send")
+                    stop = gr.Button("Stop", elem_id="stop")
+                    regenerate = gr.Button("Regenerate", elem_id="regenerate")
+                    clear = gr.Button("Clear", elem_id="clear")
+            with gr.Column(scale=1):
+                system = gr.Textbox(label="System prompt", value="", lines=3)
+                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
+                top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top p")
+                max_tokens = gr.Slider(1, 2048, value=512, step=1, label="Max tokens", elem_id="max-tokens")
+                seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
+                plot = gr.LinePlot(x="seconds ago", y="tokens/s", title="Generation throughput (last 5 min)",
+                                   height=220, sort="x")
+
+        settings_inputs = [system, temperature, top_p, max_tokens, seed]
+        events = [
+            message.submit(add_user, [message, chatbot], [message, chatbot], queue=False).then(
+                respond, [chatbot, *settings_inputs], [chatbot, stats]),
+            send.click(add_user, [message, chatbot], [message, chatbot], queue=False).then(
+                respond, [chatbot, *settings_inputs], [chatbot, stats]),
+            regenerate.click(drop_last_reply, chatbot, chatbot, queue=False).then(
+                respond, [chatbot, *settings_inputs], [chatbot, stats]),
+        ]
+        stop.click(lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats, cancels=events, queue=False)
+        clear.click(lambda: ([], ""), None, [chatbot, stats], cancels=events)
+        timer = gr.Timer(REFRESH_S)
+        timer.tick(backend.server_panel, None, [panel, plot])
+        app.load(backend.server_panel, None, [panel, plot])
+    return app
+
+
+def run_ui(args) -> int:
+    """`npu-llm ui` (flags in backend/cli.py)."""
+    app = build_app(UISettings(args.gateway_url, args.metrics_url, args.api_key))
+    app.queue().launch(server_name=args.host, server_port=args.port, show_error=False, quiet=True)
+    return 0
