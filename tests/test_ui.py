@@ -1,0 +1,157 @@
+"""The whole stack from `npu-llm up`, driven in a real headless Chromium; then its shutdown."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "gateway", "ui")}
+    log = open(tmp_path_factory.mktemp("up") / "up.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", "up", "--http-port", str(ports["http"]), "--grpc-port",
+         str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--gateway-port", str(ports["gateway"]),
+         "--ui-port", str(ports["ui"]), "--engine-arg", "max_num_seqs=8"],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not Path(log.name).read_text().count("npu-llm is up"):
+        assert process.poll() is None, Path(log.name).read_text()[-4000:]
+        assert time.monotonic() < deadline, "stack did not come up"
+        time.sleep(0.5)
+    yield process, ports, Path(log.name)
+    if process.poll() is None:
+        process.kill()
+
+
+def _metric(ports, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=5).read().decode()
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def page(stack):
+    from playwright.sync_api import sync_playwright
+
+    _, ports, _ = stack
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"http://127.0.0.1:{ports['ui']}/", wait_until="networkidle")
+        yield page
+        browser.close()
+
+
+def _bot_text(page) -> str:
+    bots = page.locator("#chatbot .message.bot")
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def _ask(page, text: str) -> None:
+    page.locator("#message textarea").fill(text)
+    page.locator("#message textarea").press("Enter")
+
+
+def test_reply_streams_with_stats_and_panel(page, stack):
+    _, ports, _ = stack
+    _ask(page, "Write three sentences about the sea.")
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('TTFT')", timeout=60000)
+    lengths = []
+    for _ in range(12):
+        lengths.append(len(_bot_text(page)))
+        time.sleep(0.25)
+    assert lengths[-1] > lengths[0] > 0  # the reply grew while it streamed
+    page.wait_for_function("!document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=120000)
+    stats = page.locator("#reply-stats").inner_text()
+    assert "TTFT" in stats and "tokens/s" in stats, stats
+    page.wait_for_function("document.querySelector('#server-panel').innerText.includes('smollm2-135m-instruct')",
+                           timeout=15000)
+    assert "Device cpu" in page.locator("#server-panel").inner_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "ui-chat.png"))
+
+
+def test_stop_ends_the_reply_and_the_server_request(page, stack):
+    _, ports, _ = stack
+    page.locator("#max-tokens input[type=number]").fill("1500")
+    page.locator("#max-tokens input[type=number]").press("Enter")
+    _ask(page, "Tell me a very long story about a dragon and a knight, with many chapters.")
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
+    time.sleep(1.5)
+    assert _metric(ports, "vllm:num_requests_running") >= 1
+    page.locator("#stop").click()
+    time.sleep(1.0)
+    stopped_at = _bot_text(page)
+    time.sleep(2.0)
+    assert _bot_text(page) == stopped_at  # no longer growing
+    assert "stopped" in page.locator("#reply-stats").inner_text()
+    deadline = time.monotonic() + 15
+    while _metric(ports, "vllm:num_requests_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(ports, "vllm:num_requests_running") == 0
+    assert _metric(ports, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_gateway_error_shows_as_a_message(page, stack):
+    page.locator("#max-tokens input[type=number]").fill("512")
+    page.locator("#max-tokens input[type=number]").press("Enter")
+    _ask(page, "word " * 9000)  # longer than max_model_len: the gateway answers 400
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('failed')", timeout=60000)
+    text = _bot_text(page)
+    assert "max_model_len" in text and "Traceback" not in text
+
+
+def test_sigterm_stops_everything(stack):
+    process, ports, _ = stack
+    family = _descendants(process.pid)
+    assert family, "no child processes?"
+    process.send_signal(signal.SIGTERM)
+    process.wait(30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (any(_port_open(p) for p in ports.values())
+                                           or any(Path(f"/proc/{pid}").exists() for pid in family)):
+        time.sleep(0.2)
+    assert not [name for name, p in ports.items() if _port_open(p)]
+    alive = [pid for pid in family if Path(f"/proc/{pid}").exists()
+             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert not alive
+    assert process.returncode == 0
