@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test clean
+.PHONY: install up test loadtest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ up: install
 
 test: install $(CHROMIUM)
 	$(BIN)/python -m pytest
+
+# Start Triton + gateway, run a one-minute load through the gateway, write artifacts/loadtest/report.html, stop.
+loadtest: install
+	$(BIN)/npu-llm loadtest --start-stack --target gateway --users 8 --run-time 60s --out artifacts/loadtest
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -66,10 +66,23 @@ def _cmd_up(args) -> int:
     return up(args)
 
 
+def _cmd_loadtest(args) -> int:
+    from loadtest.run import run_loadtest
+
+    return run_loadtest(args)
+
+
 def _cmd_bench(args) -> int:
     from backend.bench import run_throughput_bench
 
     run_throughput_bench(args)
+    return 0
+
+
+def _cmd_bench_serving(args) -> int:
+    from backend.bench_serving import run_serving_bench
+
+    run_serving_bench(args)
     return 0
 
 
@@ -117,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ui-port", type=int, default=7860)
     up.set_defaults(func=_cmd_up)
 
+    loadtest = commands.add_parser("loadtest", help="locust load test with a TTFT/ITL/TPOT/throughput report")
+    from loadtest.run import add_loadtest_args
+
+    add_loadtest_args(loadtest)
+    # the ports of the stack (--start-stack starts it there; otherwise where to find the target)
+    add_serve_args(loadtest)
+    loadtest.add_argument("--gateway-port", type=int, default=9000)
+    loadtest.add_argument("--bind-host", dest="host", default="127.0.0.1", help=argparse.SUPPRESS)
+    loadtest.set_defaults(func=_cmd_loadtest)
+
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)
     throughput = kinds.add_parser("throughput", help="offline throughput, ours vs. Hugging Face generate")
@@ -127,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--baseline", choices=("hf", "none"), default="hf")
     throughput.add_argument("--hf-batch-size", type=int, default=16)
     throughput.set_defaults(func=_cmd_bench)
+    serving = kinds.add_parser("serving", help="serving overhead: in-process vs. Triton gRPC vs. gateway")
+    add_serve_args(serving)
+    serving.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    serving.add_argument("--gateway-port", type=int, default=9000)
+    serving.add_argument("--served-model", default="smollm2-135m-instruct")
+    serving.add_argument("--num-prompts", type=int, default=8)
+    serving.add_argument("--input-len", default="128")
+    serving.add_argument("--output-len", type=int, default=64)
+    serving.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    serving.set_defaults(func=_cmd_bench_serving)
     return parser
 
 

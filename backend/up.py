@@ -6,6 +6,7 @@ process group (the Triton python stub included), so no process or port outlives 
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -19,12 +20,10 @@ def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "backend.cli", *args], start_new_session=True)
 
 
-def up(args) -> int:
+@contextlib.contextmanager
+def running_stack(args, with_ui: bool = True):
+    """Triton + gateway (+ UI) on the ports in args; yields (children, config); stops them all on exit."""
     repository, engine_args, config = checked_engine_args(args)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-
     children: list[subprocess.Popen] = []
     work_dir = None
     try:
@@ -36,10 +35,24 @@ def up(args) -> int:
                          "--port", str(args.gateway_port), "--tokenizer", config.model)
         children.append(gateway)
         wait_http(f"http://127.0.0.1:{args.gateway_port}/health", gateway, "gateway", timeout=120)
-        ui = _spawn("ui", "--gateway-url", f"http://127.0.0.1:{args.gateway_port}", "--host", args.host,
-                    "--metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics", "--port", str(args.ui_port))
-        children.append(ui)
-        wait_http(f"http://127.0.0.1:{args.ui_port}/", ui, "ui", timeout=120)
+        if with_ui:
+            ui = _spawn("ui", "--gateway-url", f"http://127.0.0.1:{args.gateway_port}", "--host", args.host,
+                        "--metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics", "--port", str(args.ui_port))
+            children.append(ui)
+            wait_http(f"http://127.0.0.1:{args.ui_port}/", ui, "ui", timeout=120)
+        yield children, config
+    finally:
+        for child in reversed(children):
+            stop_process_group(child)
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def up(args) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with running_stack(args) as (children, config):
         print(f"npu-llm is up ({config.model}):\n"
               f"  chat UI      http://{args.host}:{args.ui_port}\n"
               f"  OpenAI API   http://{args.host}:{args.gateway_port}/v1\n"
@@ -52,9 +65,4 @@ def up(args) -> int:
                 print(f"npu-llm: a service exited (status {exited[0].returncode}); stopping the others",
                       file=sys.stderr)
                 return 1
-        return 0
-    finally:
-        for child in reversed(children):
-            stop_process_group(child)
-        if work_dir is not None:
-            shutil.rmtree(work_dir, ignore_errors=True)
+    return 0

@@ -29,13 +29,20 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extra sampling fields (the openai SDK sends them through extra_body)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
 
     def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """The engine's SamplingParams fields for this request (unset OpenAI fields keep engine defaults)."""
         values = {
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "n": self.n,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "stop": self.stop, "logprobs": logprobs,
+            "stop": self.stop, "logprobs": logprobs, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
         }
         values = {k: v for k, v in values.items() if v is not None}
         values["max_tokens"] = max_tokens  # None: until max_model_len

@@ -1,0 +1,62 @@
+"""`npu-llm loadtest`: locust, headless, against a running stack (or one it starts), then the report."""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+TARGETS = {  # target -> (user class, default host)
+    "gateway": ("ChatSSEUser", "http://127.0.0.1:{gateway_port}"),
+    "triton-grpc": ("TritonGrpcUser", "localhost:{grpc_port}"),
+    "triton-http": ("TritonHttpUser", "http://127.0.0.1:{http_port}"),
+}
+
+
+def locust_command(args, out: Path) -> list[str]:
+    user_class, default_host = TARGETS[args.target]
+    host = args.host_url or default_host.format(**vars(args))
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+        "-u", str(args.users), "-r", str(args.spawn_rate), "-t", args.run_time, "--stop-timeout", "60",
+        "--host", host, "--csv", str(out / "locust"), "--out-dir", str(out),
+        "--prompt-len", args.prompt_len, "--max-tokens", args.max_tokens, "--model", args.served_model,
+        "--tokenizer", args.tokenizer, user_class,
+    ]
+    if args.dataset:
+        command += ["--dataset", args.dataset]
+    if args.api_key:
+        command += ["--api-key", args.api_key]
+    return command
+
+
+def run_loadtest(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stack = contextlib.nullcontext()
+    if args.start_stack:
+        from backend.up import running_stack
+
+        stack = running_stack(args, with_ui=False)
+    with stack:
+        return subprocess.run(locust_command(args, out)).returncode
+
+
+def add_loadtest_args(parser) -> None:
+    parser.add_argument("--target", choices=sorted(TARGETS), default="gateway")
+    parser.add_argument("--host-url", "--host", dest="host_url", default=None,
+                        help="where the target listens (default: its port on this machine)")
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--spawn-rate", type=float, default=4)
+    parser.add_argument("--run-time", default="60s")
+    parser.add_argument("--out", default="artifacts/loadtest")
+    parser.add_argument("--prompt-len", default="128", help="N or MIN:MAX prompt tokens (synthetic prompts)")
+    parser.add_argument("--max-tokens", default="64", help="N or MIN:MAX output tokens (EOS ignored)")
+    parser.add_argument("--dataset", default=None, help="JSONL of chat conversations")
+    parser.add_argument("--served-model", "--model-name", dest="served_model", default="smollm2-135m-instruct",
+                        help="the model name the gateway serves")
+    parser.add_argument("--tokenizer", default="smollm2-135m-instruct")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--start-stack", action="store_true",
+                        help="start Triton and the gateway for the run, and stop them after")

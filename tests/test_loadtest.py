@@ -1,0 +1,49 @@
+"""Short real loads (4 users, ~15 s) with locust against the real stack, one per target, and their reports."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import GATEWAY_API_KEY
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("target", ["gateway", "triton-grpc", "triton-http"])
+def test_short_load_reports_consistent_figures(target, triton_server, gateway, tmp_path):
+    host = {"gateway": gateway, "triton-grpc": triton_server.grpc_url,
+            "triton-http": f"http://{triton_server.http_url}"}[target]
+    triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0)
+    before = triton_server.wait_metric("vllm:generation_tokens_total", lambda v: False, timeout=1.0)
+    out = tmp_path / "report"
+    run = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "loadtest", "--target", target, "--host", host, "--users", "4",
+         "--spawn-rate", "4", "--run-time", "15s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
+         "8:24", "--api-key", GATEWAY_API_KEY],
+        capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert summary["errors"] == 0 and summary["requests"] == len(records) >= 4
+    for metric in ("TTFT", "ITL", "TPOT", "E2E"):
+        stats = summary["latency_ms"][metric]
+        assert stats["count"] > 0 and all(stats[k] is not None for k in ("mean", "p50", "p90", "p99")), metric
+        assert stats["p50"] <= stats["p90"] <= stats["p99"]
+    for r in records:
+        assert r["ttft"] <= r["e2e"]
+        assert 8 <= r["output_tokens"] <= 24  # EOS ignored: exactly what was asked for
+    after = triton_server.wait_metric("vllm:generation_tokens_total",
+                                      lambda v: v - before >= summary["output_tokens"], timeout=10)
+    assert after - before == summary["output_tokens"] == sum(r["output_tokens"] for r in records)
+    assert summary["output_tokens_per_s"] > 0
+    for name in ("ttft_hist.png", "itl_hist.png", "throughput.png", "report.html", "summary.csv"):
+        assert (out / name).stat().st_size > 0, name
+    html = (out / "report.html").read_text()
+    assert "time to first token" in html and "p99" in html
+    # locust's own CSV shows the metrics next to the requests
+    stats_csv = (out / "locust_stats.csv").read_text()
+    assert "TTFT" in stats_csv and "ITL" in stats_csv
