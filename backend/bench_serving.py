@@ -3,7 +3,7 @@
 On the same prompts: TTFT and ITL at concurrency 1 in-process (AsyncEngine), through Triton
 gRPC and through the gateway (SSE), printed as ratios to in-process; then output tokens/s through
 the gateway at several concurrencies. The in-process engine runs alone first, then the stack, so
-the two never share the CPU.
+the two never share the CPU. Prefix caching is off for all paths, since they replay the same prompts.
 """
 from __future__ import annotations
 
@@ -123,6 +123,8 @@ def run_serving_bench(args) -> dict:
     from backend.serve import checked_engine_args
     from backend.up import running_stack
 
+    # Every path sees the same prompts, so the prefix cache would favour whichever runs later: off.
+    args.engine_arg = (args.engine_arg or []) + ["enable_prefix_caching=false"]
     _, _, config = checked_engine_args(args)  # model.json + --engine-arg: the engine the stack will run
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)

@@ -69,6 +69,29 @@ def finish(environment, record: RequestRecord) -> None:
         fire(name="ITL", response_time=gap * 1000)
 
 
+def stream_sse(user: HttpUser, path: str, body: dict, headers: dict, name: str, record: RequestRecord,
+               on_event) -> None:
+    """POST and read Server-Sent Events; on_event(event) counts tokens and says whether it carried content."""
+    timer = Timer(record)
+    with user.client.post(path, json=body, headers=headers, stream=True, catch_response=True, name=name) as response:
+        if response.status_code != 200:
+            record.error = f"HTTP {response.status_code}: {response.text[:200]}"
+            response.failure(record.error)
+        else:
+            for line in response.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                    record.error = error["message"] if isinstance(error, dict) else str(error)
+                    response.failure(record.error)
+                    break
+                if on_event(event):
+                    timer.chunk()
+    finish(user.environment, record)
+
+
 class ChatSSEUser(HttpUser):
     """Streams /v1/chat/completions through the OpenAI-compatible gateway."""
 
@@ -82,27 +105,14 @@ class ChatSSEUser(HttpUser):
                 "stream_options": {"include_usage": True}, **sampling(prompt, bool(o.dataset))}
         headers = {"Authorization": f"Bearer {o.api_key}"} if o.api_key else {}
         record = RequestRecord("gateway", 0)
-        timer = Timer(record)
-        with self.client.post("/v1/chat/completions", json=body, headers=headers, stream=True, catch_response=True,
-                              name="/v1/chat/completions (SSE)") as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                response.failure(record.error)
-            else:
-                for line in response.iter_lines():
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        record.error = event["error"]["message"]
-                        response.failure(record.error)
-                        break
-                    if event.get("usage"):
-                        record.prompt_tokens = event["usage"]["prompt_tokens"]
-                        record.output_tokens = event["usage"]["completion_tokens"]
-                    if event["choices"] and event["choices"][0]["delta"].get("content"):
-                        timer.chunk()
-        finish(self.environment, record)
+
+        def on_event(event: dict) -> bool:
+            if event.get("usage"):
+                record.prompt_tokens = event["usage"]["prompt_tokens"]
+                record.output_tokens = event["usage"]["completion_tokens"]
+            return bool(event["choices"] and event["choices"][0]["delta"].get("content"))
+
+        stream_sse(self, "/v1/chat/completions", body, headers, "/v1/chat/completions (SSE)", record, on_event)
 
 
 class TritonHttpUser(HttpUser):
@@ -117,26 +127,14 @@ class TritonHttpUser(HttpUser):
         body = {"text_input": prompt.text, "stream": True, "return_num_input_tokens": True,
                 "return_num_output_tokens": True, "sampling_parameters": json.dumps(sampling(prompt, bool(o.dataset)))}
         record = RequestRecord("triton-http", 0)
-        timer = Timer(record)
-        with self.client.post(f"/v2/models/{o.triton_model}/generate_stream", json=body, stream=True,
-                              catch_response=True, name="generate_stream (SSE)") as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                response.failure(record.error)
-            else:
-                for line in response.iter_lines():
-                    if not line.startswith(b"data: "):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        record.error = event["error"]
-                        response.failure(record.error)
-                        break
-                    record.prompt_tokens = event.get("num_input_tokens", record.prompt_tokens)
-                    record.output_tokens += event.get("num_output_tokens", 0)
-                    if event.get("text_output"):
-                        timer.chunk()
-        finish(self.environment, record)
+
+        def on_event(event: dict) -> bool:
+            record.prompt_tokens = event.get("num_input_tokens", record.prompt_tokens)
+            record.output_tokens += event.get("num_output_tokens", 0)
+            return bool(event.get("text_output"))
+
+        stream_sse(self, f"/v2/models/{o.triton_model}/generate_stream", body, {}, "generate_stream (SSE)", record,
+                   on_event)
 
 
 class TritonGrpcUser(User):
