@@ -12,6 +12,15 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 
 
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in whatever layout `linear` runs fastest from (here: as it is)."""
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -125,3 +125,13 @@ def test_rotary_matches_transformers():
     hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     torch.testing.assert_close(ours_q, hf_q[0].transpose(0, 1))
     torch.testing.assert_close(ours_k, hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows):
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    packed = cpu.pack_linear_weight(weight)
+    assert packed.is_mkldnn  # bf16 weights do get packed here
+    torch.testing.assert_close(cpu.linear(x, packed, bias), torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
+    assert cpu.pack_linear_weight(weight.float()) is not None and not cpu.pack_linear_weight(weight.float()).is_mkldnn

@@ -53,6 +53,24 @@ def build_cos_sin_cache(config, max_positions: int) -> torch.Tensor:
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose matmul and weight layout come from the platform's kernels (see pack)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType):
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Swap the loaded weight for the kernels' preferred layout (inference only; weights are final)."""
+        packed = self.ops.pack_linear_weight(self.weight.data)
+        if packed is not self.weight.data:
+            del self.weight
+            self.register_buffer("weight", packed, persistent=False)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, ops: ModuleType):
         super().__init__()
@@ -78,8 +96,8 @@ class Attention(nn.Module):
         # Qwen2 has q/k/v biases and no o bias; Llama's attention_bias covers all four.
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         o_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, ops)
+        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias, ops)
         self.ops = ops
 
     def forward(self, x, positions, cos_sin_cache, kv_cache: KVCache, metadata: AttentionMetadata):
@@ -95,14 +113,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ops: ModuleType):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (expected silu)")
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, ops)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, ops)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -115,7 +133,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, ops)
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, metadata):
         if residual is None:
@@ -158,6 +176,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ops = ops
+        self.lm_head_weight = None  # the output projection in the kernels' layout, set by pack_weights
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.cos_sin_cache = None  # built by init_rope once the model sits on its device and dtype
@@ -182,6 +202,16 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] of a flat batch; its K/V land in kv_caches."""
         return self.model(input_ids, positions, self.cos_sin_cache, kv_caches, metadata)
 
+    def pack_weights(self) -> None:
+        """After loading: every matmul weight into the kernels' layout (the embedding keeps its own for lookups)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_weight = self.ops.pack_linear_weight(head.data)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_weight is not None:
+            return self.ops.linear(hidden, self.lm_head_weight)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

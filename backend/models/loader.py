@@ -90,6 +90,7 @@ def load_model(
         module = LlamaForCausalLM(config, ops)
     module = module.to_empty(device=device).to(torch_dtype)
     _load_weights(module, _checkpoint_files(model_dir))
+    module.pack_weights()
     module.init_rope(max_model_len or max_model_len_of(config))
     return module.eval(), config, model_dir
 
