@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 
@@ -11,10 +12,19 @@ import torch
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 
 
+# Ascend defaults (vllm-ascend platform.py and its tuning guide), unless the user set them.
+NPU_ENV_DEFAULTS = {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True", "TASK_QUEUE_ENABLE": "1"}
+DIST_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
 @dataclass(frozen=True)
 class Platform:
     name: str  # "npu" | "cuda" | "cpu"
     device: torch.device
+
+    @property
+    def dist_backend(self) -> str:
+        return DIST_BACKENDS[self.name]
 
     def synchronize(self) -> None:
         if self.name == "cuda":
@@ -27,11 +37,22 @@ def npu_available() -> bool:
     # Importing torch_npu without CANN fails, so only try where it is installed at all.
     if importlib.util.find_spec("torch_npu") is None:
         return False
+    for key, value in NPU_ENV_DEFAULTS.items():  # read when torch_npu initialises
+        os.environ.setdefault(key, value)
     try:
         import torch_npu  # noqa: F401
     except Exception:
         return False
     return torch.npu.is_available()
+
+
+def _npu_device(index: int) -> torch.device:
+    import torch_npu
+
+    # A CPU-backed stand-in for torch_npu (the contract tests' fake) cannot make "npu" tensors and
+    # names the device its tensors live on instead; the real torch_npu registers "npu".
+    backing = getattr(torch_npu, "backing_device_type", None)
+    return torch.device(backing) if backing else torch.device("npu", index)
 
 
 def resolve_platform(device: str = "auto") -> Platform:
@@ -45,9 +66,11 @@ def resolve_platform(device: str = "auto") -> Platform:
         raise RuntimeError("device cuda requested but torch sees no CUDA GPU")
     if name == "npu" and not npu_available():
         raise RuntimeError("device npu requested but torch_npu is not installed or sees no Ascend NPU")
-    if name != "cpu" and ":" not in device:
-        device = f"{name}:0"
-    return Platform(name, torch.device(device))
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if name == "npu":
+        torch.npu.set_device(index)
+        return Platform(name, _npu_device(index))
+    return Platform(name, torch.device(name, index) if name != "cpu" else torch.device("cpu"))
 
 
 def tune_host_allocator() -> None:

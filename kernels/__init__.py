@@ -19,5 +19,7 @@ def ops_for(platform: str) -> ModuleType:
 
         return torch_ref
     if platform == "npu":
-        raise NotImplementedError("the Ascend NPU kernels (torch_npu) are not implemented yet")
+        from kernels import npu
+
+        return npu
     raise ValueError(f"unknown platform {platform!r}: expected cpu, cuda or npu")

@@ -64,7 +64,7 @@ def _enabled() -> bool:
 
 
 def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
-    ext = compiled()
+    ext = compiled() if _enabled() else None
     if ext is None:
         return torch_ref.decode_attention(query, key_cache, value_cache, metadata, scale)
     n = query.shape[0]

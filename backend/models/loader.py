@@ -43,6 +43,8 @@ def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> tor
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+        if dtype == "float32" and device.type == "npu":
+            raise ValueError("dtype=float32: the NPU paged-attention kernels run float16 and bfloat16 only")
         return DTYPES[dtype]
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if stored in (torch.float16, "float16") and device.type != "cpu":

@@ -1,0 +1,108 @@
+"""Ascend NPU kernels: torch_npu's fused paged-attention op set, called as vllm-ascend calls it.
+
+Sources (see ../shared/NPU_OPS.md): op schemas from Ascend/op-plugin (branch 7.1.0, the
+torch_npu 2.5.1.post1 line) op_plugin/ops/atb/*.cpp; call sites from vllm-ascend v0.9.1
+(attention/attention_v1.py, attention/attention.py, ops/layernorm.py, ops/rotary_embedding.py).
+ATB ops return nothing and write their outputs in place; outputs must be contiguous; lengths
+(seq_len, context_lens) go as CPU int32 ("otherwise error: tensor.hostData is null").
+Only fp16 and bf16 run on these ops; block size must be 128.
+"""
+from __future__ import annotations
+
+import torch
+import torch_npu
+
+from kernels.metadata import AttentionMetadata
+
+BLOCK_SIZE = 128
+# Masked value per dtype, as vllm-ascend builds its masks (attention.py generate_attn_mask /
+# get_splitfuse_attn_mask): -inf for fp16; for bf16 the prefill kernel takes 1 and splitfuse -10000.
+_PREFILL_MASKED = {torch.float16: float("-inf"), torch.bfloat16: 1.0}
+_SPLITFUSE_MASKED = {torch.float16: float("-inf"), torch.bfloat16: -10000.0}
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    # OP 7.1.0: _npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache,
+    #                                  Tensor slot_indices) -> (); slot_indices int32 on device (VA forward()).
+    torch_npu._npu_reshape_and_cache(
+        key=key.contiguous(), value=value.contiguous(), key_cache=key_cache, value_cache=value_cache,
+        slot_indices=slot_mapping.to(torch.int32),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # OP yaml: npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (y, rstd); VA ops/layernorm.py
+    return torch_npu.npu_rms_norm(x, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    # OP yaml: npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon) -> (y, rstd, x1 + x2)
+    y, _, summed = torch_npu.npu_add_rms_norm(x, residual, weight, eps)
+    return y, summed
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache):
+    # RopeAtb.cpp: _npu_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size,
+    #                                    Tensor cos_sin_cache, bool is_neox_style) -> (); q/k contiguous [T, N*D],
+    # rotated in place (VA rope_forward_oot). The op caches its cos/sin tables in process-global state on
+    # the first call, so one process serves one rope configuration.
+    num_tokens, num_heads, head_dim = query.shape
+    q = query.reshape(num_tokens, -1).contiguous()
+    k = key.reshape(num_tokens, -1).contiguous()
+    torch_npu._npu_rotary_embedding(positions.to(torch.int64), q, k, head_dim, cos_sin_cache, True)
+    return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, -1, head_dim)
+
+
+def paged_attention(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+    """The op for the batch's state, as vllm-ascend v0.9.1 picks it (model_runner_v1 attn_state):
+    decode only -> _npu_paged_attention; fresh prefills only -> _npu_flash_attention; anything else
+    (chunked prefill, a cached prefix, decodes mixed with prefills) -> _npu_paged_attention_splitfuse."""
+    if key_cache.shape[1] != BLOCK_SIZE:
+        raise ValueError(f"the NPU paged-attention kernels need block_size {BLOCK_SIZE}, got {key_cache.shape[1]}")
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    out = torch.empty_like(query)
+    q_lens, ctx_lens = metadata.query_lens, metadata.context_lens
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)  # CPU, per NPU_OPS.md §0
+    if metadata.num_decodes == len(q_lens):
+        # OP 7.1.0 _npu_paged_attention(query, key_cache, value_cache, int num_kv_heads, int num_heads,
+        #                               float scale_value, block_table, context_lens, Tensor(a!) out)
+        torch_npu._npu_paged_attention(
+            query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
+            num_heads=num_heads, scale_value=scale, block_table=metadata.block_tables, context_lens=context_lens,
+            out=out,
+        )
+    elif metadata.num_decodes == 0 and q_lens == ctx_lens:
+        # SelfAttentionAtb.cpp _npu_flash_attention(query, key, value, mask, seq_len, float scale_value,
+        #                                           int num_heads, int num_kv_heads, Tensor(a!) out); mask [S, S]
+        longest = max(q_lens)
+        future = torch.ones(longest, longest, dtype=torch.bool, device=query.device).triu(1)
+        mask = torch.zeros(longest, longest, dtype=query.dtype, device=query.device)
+        mask.masked_fill_(future, _PREFILL_MASKED[query.dtype])
+        torch_npu._npu_flash_attention(
+            query=query.contiguous(), key=key.contiguous(), value=value.contiguous(), mask=mask,
+            seq_len=torch.tensor(q_lens, dtype=torch.int32), scale_value=scale, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, out=out,
+        )
+    else:
+        # _npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table, context_lens, mask,
+        #   seq_len, int num_kv_heads, int num_heads, float scale_value, Tensor(a!) out). Mask [T, max_ctx]:
+        # the token at absolute position p sees KV at positions <= p (VA get_splitfuse_attn_mask).
+        positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx_lens)]).to(query.device)
+        columns = torch.arange(max(ctx_lens), device=query.device)
+        mask = torch.zeros(len(positions), len(columns), dtype=query.dtype, device=query.device)
+        mask.masked_fill_(columns[None, :] > positions[:, None], _SPLITFUSE_MASKED[query.dtype])
+        torch_npu._npu_paged_attention_splitfuse(
+            query=query.contiguous(), key_cache=key_cache, value_cache=value_cache,
+            block_table=metadata.block_tables, context_lens=context_lens, mask=mask,
+            seq_len=torch.tensor(q_lens, dtype=torch.int32), num_kv_heads=num_kv_heads, num_heads=num_heads,
+            scale_value=scale, out=out,
+        )
+    return out

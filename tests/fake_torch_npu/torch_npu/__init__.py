@@ -1,0 +1,194 @@
+"""A CPU-backed stand-in for torch_npu, for contract tests on machines without Ascend hardware.
+
+It implements the ops kernels/npu.py calls with kernels/torch_ref.py semantics, and checks
+their arguments the way the real ops document them (../shared/NPU_OPS.md): keyword names,
+fp16/bf16 only, int32 slot indices and block tables, CPU int32 lengths, contiguous outputs,
+block sizes, and the exact causal masks vllm-ascend builds. A wrong call raises, as the real
+op would fail. Tensors live on the CPU: `backing_device_type` tells npu-llm's platform so.
+
+Only tests put this package on sys.path (tests/test_npu_contract.py).
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from kernels import torch_ref
+from kernels.metadata import AttentionMetadata
+
+backing_device_type = "cpu"
+calls: dict[str, int] = {}  # op name -> times called, for the tests
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class NpuOpError(RuntimeError):
+    pass
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise NpuOpError(message)
+
+
+def _count(name: str) -> None:
+    calls[name] = calls.get(name, 0) + 1
+
+
+def _half(name: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        _require(t.dtype in _HALF, f"{name}: only float16/bfloat16 are supported, got {t.dtype}")
+    _require(len({t.dtype for t in tensors}) == 1, f"{name}: all tensors must share one dtype")
+
+
+def _cpu_int32(name: str, arg: str, t: torch.Tensor) -> None:
+    _require(t.dtype == torch.int32 and t.device.type == "cpu", f"{name}: {arg} must be a CPU int32 tensor")
+
+
+# -- cache write ------------------------------------------------------------------------------------
+
+
+def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
+    name = "_npu_reshape_and_cache"
+    _count(name)
+    _half(name, key, value, key_cache, value_cache)
+    _require(key.dim() == 3 and key_cache.dim() == 4, f"{name}: key [T,N,D] and caches [blocks,block_size,N,D]")
+    _require(key_cache.shape[2:] == key.shape[1:], f"{name}: cache heads/dim {tuple(key_cache.shape[2:])} != key's")
+    _require(key_cache.is_contiguous() and value_cache.is_contiguous(), f"{name}: caches must be contiguous")
+    _require(slot_indices.dtype == torch.int32, f"{name}: slot_indices must be int32, got {slot_indices.dtype}")
+    _require(slot_indices.shape == (key.shape[0],), f"{name}: one slot per token")
+    torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slot_indices.long())
+
+
+# -- norms and rotary -------------------------------------------------------------------------------
+
+
+def npu_rms_norm(x, gamma, epsilon=1e-6):
+    _count("npu_rms_norm")
+    y = torch_ref.rms_norm(x, gamma, epsilon)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    return y, rstd
+
+
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    _count("npu_add_rms_norm")
+    y, summed = torch_ref.add_rms_norm(x1, x2, gamma, epsilon)
+    return y, torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + epsilon), summed
+
+
+def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
+    name = "_npu_rotary_embedding"
+    _count(name)
+    _require(positions.dtype == torch.int64, f"{name}: positions must be int64")
+    _require(query.dim() == 2 and key.dim() == 2, f"{name}: query/key must be [T, N*head_size]")
+    _require(query.is_contiguous() and key.is_contiguous(), f"{name}: query/key must be contiguous (written in place)")
+    _require(query.shape[1] % head_size == 0 and key.shape[1] % head_size == 0, f"{name}: head_size mismatch")
+    _require(is_neox_style, f"{name}: only neox style is used here")
+    q, k = torch_ref.rotary_embedding(positions, query.view(len(positions), -1, head_size),
+                                      key.view(len(positions), -1, head_size), cos_sin_cache.to(query.dtype))
+    query.copy_(q.reshape(query.shape))
+    key.copy_(k.reshape(key.shape))
+
+
+# -- attention --------------------------------------------------------------------------------------
+
+
+def _check_paged(name, query, key_cache, value_cache, num_kv_heads, num_heads, block_table, out):
+    _half(name, query, key_cache, value_cache, out)
+    _require(block_table.dtype == torch.int32, f"{name}: block_table must be int32")
+    block_size = key_cache.shape[1]
+    _require(block_size % 16 == 0 and block_size <= 128, f"{name}: block_size must be a multiple of 16, <= 128")
+    _require(key_cache.shape[2] == num_kv_heads and query.shape[1] == num_heads, f"{name}: head counts mismatch")
+    _require(num_heads % num_kv_heads == 0, f"{name}: num_heads must be a multiple of num_kv_heads")
+    _require(out.is_contiguous() and out.shape == query.shape, f"{name}: out must be contiguous, shaped like query")
+
+
+def _metadata(query_lens, context_lens, block_table, block_size) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_lens=query_lens, context_lens=context_lens, num_decodes=0, block_size=block_size,
+        slot_mapping=torch.empty(0, dtype=torch.long), block_tables=block_table,
+        context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32))
+
+
+def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
+                         context_lens, out):
+    name = "_npu_paged_attention"
+    _count(name)
+    _check_paged(name, query, key_cache, value_cache, num_kv_heads, num_heads, block_table, out)
+    _cpu_int32(name, "context_lens", context_lens)
+    _require(context_lens.shape == (query.shape[0],), f"{name}: one context length per query token")
+    md = _metadata([1] * query.shape[0], context_lens.tolist(), block_table, key_cache.shape[1])
+    out.copy_(torch_ref.decode_attention(query, key_cache, value_cache, md, scale_value))
+
+
+def _causal_mask(q_lens, ctx_lens, columns, masked, dtype):
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx_lens)])
+    mask = torch.zeros(len(positions), columns, dtype=dtype)
+    return mask.masked_fill_(torch.arange(columns)[None, :] > positions[:, None], masked)
+
+
+def _npu_flash_attention(*, query, key, value, mask, seq_len, scale_value, num_heads, num_kv_heads, out):
+    name = "_npu_flash_attention"
+    _count(name)
+    _half(name, query, key, value, mask, out)
+    _cpu_int32(name, "seq_len", seq_len)
+    lens = seq_len.tolist()
+    _require(sum(lens) == query.shape[0] == key.shape[0], f"{name}: sum(seq_len) must equal the token count")
+    longest = max(lens)
+    masked = float("-inf") if query.dtype == torch.float16 else 1.0  # vllm-ascend generate_attn_mask
+    expected = _causal_mask([longest], [longest], longest, masked, query.dtype)
+    _require(mask.shape == (longest, longest) and torch.equal(mask.cpu(), expected),
+             f"{name}: mask must be the [S,S] causal mask (masked = {masked} for {query.dtype})")
+    start = 0
+    for n in lens:
+        out[start : start + n] = torch_ref._prefill_attention(query[start : start + n], key[start : start + n],
+                                                             value[start : start + n], scale_value)
+        start += n
+
+
+def _npu_paged_attention_splitfuse(*, query, key_cache, value_cache, block_table, context_lens, mask, seq_len,
+                                   num_kv_heads, num_heads, scale_value, out):
+    name = "_npu_paged_attention_splitfuse"
+    _count(name)
+    _check_paged(name, query, key_cache, value_cache, num_kv_heads, num_heads, block_table, out)
+    _cpu_int32(name, "seq_len", seq_len)
+    _cpu_int32(name, "context_lens", context_lens)
+    q_lens, ctx_lens = seq_len.tolist(), context_lens.tolist()
+    _require(sum(q_lens) == query.shape[0], f"{name}: sum(seq_len) must equal the token count")
+    masked = float("-inf") if query.dtype == torch.float16 else -10000.0  # vllm-ascend get_splitfuse_attn_mask
+    expected = _causal_mask(q_lens, ctx_lens, max(ctx_lens), masked, query.dtype)
+    _require(mask.shape == expected.shape and torch.equal(mask.cpu(), expected),
+             f"{name}: mask must be [T, max context] with token at position p seeing KV <= p")
+    block_size, start = key_cache.shape[1], 0
+    for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
+        blocks = block_table[i, : -(-c // block_size)].long()
+        k = torch_ref.gather_kv(key_cache, blocks)[:c]
+        v = torch_ref.gather_kv(value_cache, blocks)[:c]
+        out[start : start + q] = torch_ref._prefill_attention(query[start : start + q], k, v, scale_value)
+        start += q
+
+
+def npu_fusion_attention(*args, **kwargs):
+    # transformers imports this name whenever torch_npu is importable; npu-llm never calls it.
+    raise NpuOpError("npu_fusion_attention is not part of the fake (npu-llm does not use it)")
+
+
+# -- the torch.npu surface npu-llm uses -------------------------------------------------------------
+
+npu = types.ModuleType("torch.npu")
+npu.is_available = lambda: True
+npu.device_count = lambda: 1
+npu.current_device = lambda: 0
+npu.set_device = lambda device: None
+npu.synchronize = lambda device=None: None
+npu.empty_cache = lambda: None
+
+
+def _mem_get_info(device=None):
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // 2, total  # (free, total): a device half used
+
+
+npu.mem_get_info = _mem_get_info
+torch.npu = npu
