@@ -72,6 +72,12 @@ def _cmd_loadtest(args) -> int:
     return run_loadtest(args)
 
 
+def _cmd_doctor(args) -> int:
+    from backend.doctor import doctor
+
+    return doctor(args)
+
+
 def _cmd_bench(args) -> int:
     from backend.bench import run_throughput_bench
 
@@ -139,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.add_argument("--gateway-port", type=int, default=9000)
     loadtest.add_argument("--bind-host", dest="host", default="127.0.0.1", help=argparse.SUPPRESS)
     loadtest.set_defaults(func=_cmd_loadtest)
+
+    doctor = commands.add_parser("doctor", help="check the NPU/CUDA/Triton/model setup")
+    doctor.add_argument("--model", default="smollm2-135m-instruct")
+    doctor.set_defaults(func=_cmd_doctor)
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)

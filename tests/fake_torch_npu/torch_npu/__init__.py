@@ -19,6 +19,7 @@ from kernels import torch_ref
 from kernels.metadata import AttentionMetadata
 
 backing_device_type = "cpu"
+__version__ = ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0.post1"  # built for this torch
 calls: dict[str, int] = {}  # op name -> times called, for the tests
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -1,0 +1,179 @@
+"""`npu-llm doctor`: the troubleshooting chapter of an Ascend deployment guide, as one table of checks.
+
+Each check says OK, WARN or FAIL, with what was found and, for a failure, the fix. A FAIL is
+something that breaks serving here; a WARN is something absent that this machine may not need
+(no NPU on a CPU box). Exit status 1 when anything FAILs.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_numpy() -> Check:
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        return Check("numpy < 2", FAIL, f"numpy {numpy.__version__}",
+                     'Triton\'s python backend stub mis-decodes strings with numpy 2: pip install "numpy<2"')
+    return Check("numpy < 2", OK, f"numpy {numpy.__version__}")
+
+
+def check_npu_smi() -> Check:
+    if not shutil.which("npu-smi"):
+        return Check("npu-smi info", WARN, "npu-smi not found (no Ascend driver on this machine)",
+                     "on an Ascend host: install the NPU driver and firmware")
+    run = subprocess.run(["npu-smi", "info"], capture_output=True, text=True, timeout=30)
+    if run.returncode != 0:
+        return Check("npu-smi info", FAIL, (run.stderr or run.stdout).strip()[:120],
+                     "check the driver installation and that the device is healthy (npu-smi info)")
+    return Check("npu-smi info", OK, "driver answers")
+
+
+def check_cann(torch_npu_installed: bool) -> Check:
+    home = os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
+    hccl = ctypes.util.find_library("hccl")
+    if home and Path(home).exists():
+        return Check("CANN environment", OK, f"ASCEND_HOME_PATH={home}" + (", libhccl found" if hccl else ""))
+    status = FAIL if torch_npu_installed else WARN
+    return Check("CANN environment", status, "ASCEND_HOME_PATH not set (set_env.sh not sourced)",
+                 "source /usr/local/Ascend/ascend-toolkit/set_env.sh (and nnal/atb/set_env.sh for the ATB ops)")
+
+
+def check_torch_npu() -> tuple[list[Check], bool]:
+    """(checks, torch_npu usable)."""
+    import torch
+
+    installed = importlib.util.find_spec("torch_npu") is not None
+    if not installed:
+        return [Check("torch_npu", WARN, "not installed (NPU serving unavailable)",
+                      "on an Ascend host: pip install 'npu-llm[npu]' (torch_npu matching your torch)")], False
+    checks = []
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    try:
+        import torch_npu
+    except Exception as e:  # without CANN, importing torch_npu fails
+        return [Check("torch_npu import", FAIL, f"{type(e).__name__}: {e}"[:160],
+                      "source CANN's set_env.sh; check that libhccl.so is on LD_LIBRARY_PATH")], False
+    npu_version = getattr(torch_npu, "__version__", _version("torch_npu") or "?")
+    if _major_minor(npu_version) != _major_minor(torch.__version__):
+        checks.append(Check("torch / torch_npu versions", FAIL, f"torch {torch.__version__}, torch_npu {npu_version}",
+                            f"install the torch_npu release built for torch {_major_minor(torch.__version__)}"))
+    else:
+        checks.append(Check("torch / torch_npu versions", OK, f"torch {torch.__version__}, torch_npu {npu_version}"))
+    available = bool(torch.npu.is_available())
+    checks.append(Check("torch.npu.is_available()", OK if available else FAIL,
+                        f"{torch.npu.device_count()} device(s)" if available else "False",
+                        "" if available else "check npu-smi, the device files and ASCEND_RT_VISIBLE_DEVICES"))
+    return checks, available
+
+
+def check_device_files() -> Check:
+    files = sorted(glob.glob("/dev/davinci[0-9]*"))
+    if not files:
+        return Check("NPU device files", WARN, "no /dev/davinci* (no NPU visible)",
+                     "in a container: pass --device /dev/davinciN, /dev/davinci_manager, /dev/devmm_svm, /dev/hisi_hdc")
+    denied = [f for f in files if not os.access(f, os.R_OK | os.W_OK)]
+    if denied:
+        return Check("NPU device files", FAIL, f"no read/write access to {', '.join(denied)}",
+                     "run as a user in the HwHiAiUser group, or fix the device permissions")
+    return Check("NPU device files", OK, ", ".join(files))
+
+
+def check_cuda() -> Check:
+    import torch
+
+    if torch.cuda.is_available():
+        return Check("CUDA", OK, f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+    return Check("CUDA", WARN, f"not available (torch {torch.__version__})", "only needed to serve on NVIDIA GPUs")
+
+
+def check_tritonserver() -> Check:
+    from backend.triton.launcher import LaunchError, find_tritonserver
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            server = find_tritonserver(Path(tmp))
+        except LaunchError as e:
+            return Check("tritonserver", FAIL, str(e), "pip install nvidia-pytriton, or put tritonserver on PATH")
+    where = "PATH" if server.backend_dir is None else "bundled with nvidia-pytriton"
+    return Check("tritonserver", OK, f"{server.binary} ({where})")
+
+
+def check_model(model: str) -> Check:
+    from backend.models.registry import resolve_model
+
+    try:
+        folder = resolve_model(model)
+    except FileNotFoundError as e:
+        return Check("model files", FAIL, str(e)[:160], "pass --model with a Hugging Face folder or a .gguf file")
+    missing = [name for name in ("config.json",) if not (folder / name).exists()]
+    if not list(folder.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
+        missing.append("tokenizer.json")
+    if missing:
+        return Check("model files", FAIL, f"{folder}: missing {', '.join(missing)}",
+                     "point --model at a complete Hugging Face model folder")
+    return Check("model files", OK, str(folder))
+
+
+def run_checks(model: str) -> list[Check]:
+    npu_checks, _ = check_torch_npu()
+    return [
+        check_numpy(),
+        check_npu_smi(),
+        check_cann(importlib.util.find_spec("torch_npu") is not None),
+        *npu_checks,
+        check_device_files(),
+        check_cuda(),
+        check_tritonserver(),
+        check_model(model),
+    ]
+
+
+def render(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = [f"{'check':<{width}}  status  detail", f"{'-' * width}  ------  ------"]
+    for c in checks:
+        lines.append(f"{c.name:<{width}}  {c.status:<6}  {c.detail}")
+        if c.status == FAIL and c.fix:
+            lines.append(f"{'':<{width}}          fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def doctor(args) -> int:
+    checks = run_checks(args.model)
+    print(render(checks), flush=True)
+    failed = [c for c in checks if c.status == FAIL]
+    print(f"\n{len(failed)} failed, {sum(c.status == WARN for c in checks)} warnings")
+    return 1 if failed else 0

@@ -1,0 +1,50 @@
+"""`npu-llm doctor` on this (CPU) machine and with the fake torch_npu installed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FAKE = Path(__file__).parent / "fake_torch_npu"
+
+
+def _doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backend.cli", "doctor", *args], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, **(env or {})})
+
+
+def _row(output: str, name: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith(name))
+
+
+def test_cpu_machine_passes_with_warnings():
+    run = _doctor()
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in ("numpy < 2", "tritonserver", "model files"):
+        assert " OK " in _row(run.stdout, name), name
+    for name in ("npu-smi info", "torch_npu", "NPU device files"):
+        assert " WARN " in _row(run.stdout, name), name
+    assert "0 failed" in run.stdout
+
+
+def test_missing_model_fails_with_a_fix():
+    run = _doctor("--model", "/no/such/model")
+    assert run.returncode == 1
+    assert " FAIL " in _row(run.stdout, "model files")
+    assert "fix: pass --model" in run.stdout
+
+
+def test_with_torch_npu_installed(tmp_path):
+    pythonpath = os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")])
+    cann = tmp_path / "ascend-toolkit"
+    cann.mkdir()
+    ready = _doctor(env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann)})
+    assert " OK " in _row(ready.stdout, "torch / torch_npu versions"), ready.stdout + ready.stderr
+    assert " OK " in _row(ready.stdout, "torch.npu.is_available()")
+    assert " OK " in _row(ready.stdout, "CANN environment")
+    env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")}
+    no_cann = subprocess.run([sys.executable, "-m", "backend.cli", "doctor"], capture_output=True, text=True,
+                             timeout=180, env={**env, "PYTHONPATH": pythonpath})
+    assert no_cann.returncode == 1
+    assert " FAIL " in _row(no_cann.stdout, "CANN environment") and "set_env.sh" in no_cann.stdout
