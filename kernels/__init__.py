@@ -15,9 +15,9 @@ def ops_for(platform: str) -> ModuleType:
 
         return cpu
     if platform == "cuda":
-        from kernels import torch_ref
+        from kernels import cuda
 
-        return torch_ref
+        return cuda
     if platform == "npu":
         from kernels import npu
 

@@ -9,6 +9,16 @@ import torch
 # Every test here runs on the CPU with two cores.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a GPU: skipped (and reported as skipped) where torch sees none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
 TINY = dict(
     vocab_size=512,
     hidden_size=64,

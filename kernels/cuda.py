@@ -1,0 +1,15 @@
+"""CUDA kernels: torch_ref's ops run as they are on CUDA tensors (scaled_dot_product_attention picks
+flash or memory-efficient attention there), so this module only names the CUDA op set. Where a CUDA
+version must differ from the reference (a flash-attention varlen or paged kernel), it goes here and
+tests/test_cuda.py holds it to torch_ref."""
+from __future__ import annotations
+
+from kernels.torch_ref import (  # noqa: F401
+    add_rms_norm,
+    linear,
+    pack_linear_weight,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+)

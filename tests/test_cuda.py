@@ -1,0 +1,42 @@
+"""The CUDA path (run by tests/gpu_check.sh on a GPU machine; skipped elsewhere)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_kernels import _run_batch
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_cuda_attention_matches_dense(block_size):
+    from kernels import cuda
+
+    class OnGpu:
+        """Runs the CUDA op on GPU copies of the CPU batch, returning to the CPU for comparison."""
+
+        @staticmethod
+        def paged_attention(q, k, v, kc, vc, md, scale):
+            from kernels import AttentionMetadata
+
+            dev = torch.device("cuda")
+            gpu_md = AttentionMetadata(md.query_lens, md.context_lens, md.num_decodes, md.block_size,
+                                       md.slot_mapping.to(dev), md.block_tables.to(dev), md.context_lens_tensor.to(dev))
+            return cuda.paged_attention(q.to(dev), k.to(dev), v.to(dev), kc.to(dev), vc.to(dev), gpu_md, scale).cpu()
+
+    seqs = [(5, 1), (130, 1), (300, 1), (40, 40), (200, 72), (129, 128)]
+    ours, reference = _run_batch(seqs, block_size, OnGpu)
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_engine_on_cuda_matches_cpu_greedy():
+    from backend import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    gpu = LLM(device="cuda", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16)
+    cpu = LLM(device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16)
+    for a, b in zip(gpu.generate(prompts, params), cpu.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
