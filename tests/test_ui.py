@@ -95,11 +95,14 @@ def test_reply_streams_with_stats_and_panel(page, stack):
     _, ports, _ = stack
     _ask(page, "Write three sentences about the sea.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('TTFT')", timeout=60000)
-    lengths = []
-    for _ in range(12):
-        lengths.append(len(_bot_text(page)))
-        time.sleep(0.25)
-    assert lengths[-1] > lengths[0] > 0  # the reply grew while it streamed
+    first = len(_bot_text(page))
+    assert first > 0
+    # the reply grows while the stats line still says it is streaming
+    page.wait_for_function(
+        f"""(() => {{ const bots = document.querySelectorAll('#chatbot .message.bot');
+                     return bots.length && bots[bots.length - 1].innerText.length > {first}
+                        && document.querySelector('#reply-stats').innerText.includes('streaming'); }})()""",
+        timeout=60000)
     page.wait_for_function("!document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=120000)
     stats = page.locator("#reply-stats").inner_text()
     assert "TTFT" in stats and "tokens/s" in stats, stats

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 import pandas as pd
-from openai import OpenAI, OpenAIError
+from openai import AsyncOpenAI, OpenAI, OpenAIError
 from prometheus_client.parser import text_string_to_metric_families
 
 REFRESH_S = 3.0
@@ -40,8 +40,12 @@ def _error_text(e: Exception) -> str:
 class ChatBackend:
     def __init__(self, settings: UISettings):
         self.settings = settings
-        self.client = OpenAI(base_url=f"{settings.gateway_url}/v1", api_key=settings.api_key or "unused",
-                             max_retries=0, timeout=300)
+        client_args = dict(base_url=f"{settings.gateway_url}/v1", api_key=settings.api_key or "unused",
+                           max_retries=0, timeout=300)
+        self.client = OpenAI(**client_args)
+        # Replies stream through the async client: Stop cancels the task awaiting it, which closes the
+        # HTTP stream at once (a sync generator would linger in its worker thread until collected).
+        self.async_client = AsyncOpenAI(**client_args)
         self.samples: deque[tuple[float, float]] = deque()  # (time, vllm:generation_tokens_total)
         self._model: str | None = None
 
@@ -50,17 +54,17 @@ class ChatBackend:
             self._model = self.client.models.list().data[0].id
         return self._model
 
-    def stream_reply(self, history: list[dict], system: str, temperature: float, top_p: float, max_tokens: int,
-                     seed: float | None):
+    async def stream_reply(self, history: list[dict], system: str, temperature: float, top_p: float,
+                           max_tokens: int, seed: float | None):
         """Yields (reply so far, stats line) while the reply streams."""
         messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
             {"role": m["role"], "content": m["content"]} for m in history]
         start, first, text, chunks, tokens = time.perf_counter(), None, "", 0, None
-        stream = self.client.chat.completions.create(
+        stream = await self.async_client.chat.completions.create(
             model=self.model(), messages=messages, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens),
             seed=None if seed is None or seed < 0 else int(seed), stream=True, stream_options={"include_usage": True})
         try:
-            for chunk in stream:
+            async for chunk in stream:
                 if chunk.usage is not None:  # the exact count, in the last chunk
                     tokens = chunk.usage.completion_tokens
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -70,7 +74,7 @@ class ChatBackend:
                     yield text, _stats(start, first, chunks, streaming=True)
             yield text, _stats(start, first, tokens or chunks, streaming=False)
         finally:
-            stream.close()  # on Stop too: closing the connection cancels the request on the server
+            await stream.close()  # on Stop too: closing the connection cancels the request on the server
 
     def server_panel(self) -> tuple[str, pd.DataFrame]:
         try:
@@ -122,11 +126,11 @@ def _stats(start: float, first: float | None, tokens: int | None, streaming: boo
 def build_app(settings: UISettings) -> gr.Blocks:
     backend = ChatBackend(settings)
 
-    def respond(history, system, temperature, top_p, max_tokens, seed):
+    async def respond(history, system, temperature, top_p, max_tokens, seed):
         history = list(history)
         history.append({"role": "assistant", "content": ""})
         try:
-            for text, stats in backend.stream_reply(history[:-1], system, temperature, top_p, max_tokens, seed):
+            async for text, stats in backend.stream_reply(history[:-1], system, temperature, top_p, max_tokens, seed):
                 history[-1] = {"role": "assistant", "content": text}
                 yield history, stats
         except (OpenAIError, OSError, ValueError) as e:
