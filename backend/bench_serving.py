@@ -59,17 +59,11 @@ async def _one_gateway(client, url: str, model: str, prompt: str, max_tokens: in
 
 
 async def _one_grpc(client, prompt: str, max_tokens: int) -> list[float]:
-    import numpy as np
-    import tritonclient.grpc.aio as grpcclient
-
-    def tensor(name, value, kind):
-        t = grpcclient.InferInput(name, [1], kind)
-        t.set_data_from_numpy(np.array([value], dtype=np.object_ if kind == "BYTES" else bool))
-        return t
+    from backend.gateway.client import infer_input
 
     params = json.dumps({"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
-    inputs = [tensor("text_input", prompt.encode(), "BYTES"), tensor("stream", True, "BOOL"),
-              tensor("sampling_parameters", params.encode(), "BYTES"), tensor("return_finish_reason", True, "BOOL")]
+    inputs = [infer_input("text_input", prompt.encode()), infer_input("stream", True),
+              infer_input("sampling_parameters", params.encode()), infer_input("return_finish_reason", True)]
 
     async def requests():
         yield {"model_name": "llm", "inputs": inputs}

@@ -14,13 +14,15 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import grpc.experimental.gevent as grpc_gevent
-from locust import HttpUser, User, constant, events, task
 
-from loadtest.prompts import PromptSource
-from loadtest.records import RequestRecord, Timer
-
-# Before any channel exists: without it, tritonclient's gRPC streaming blocks the whole gevent loop.
+# Before anything touches gRPC: without it, tritonclient's streaming blocks the whole gevent loop.
 grpc_gevent.init_gevent()
+
+from locust import HttpUser, User, constant, events, task  # noqa: E402
+
+from backend.gateway.client import infer_input  # noqa: E402
+from loadtest.prompts import PromptSource  # noqa: E402
+from loadtest.records import RequestRecord, Timer  # noqa: E402
 
 RECORDS: list[RequestRecord] = []
 ACTIVE_USERS: list[tuple[float, int]] = []
@@ -145,19 +147,11 @@ class TritonGrpcUser(User):
     def on_start(self):
         import tritonclient.grpc as grpcclient
 
-        self.grpcclient = grpcclient
         parsed = urlparse(self.host if "://" in self.host else f"grpc://{self.host}")
         self.client = grpcclient.InferenceServerClient(parsed.netloc)
 
     def on_stop(self):
         self.client.close()
-
-    def _input(self, name, value, triton_type):
-        import numpy as np
-
-        t = self.grpcclient.InferInput(name, [1], triton_type)
-        t.set_data_from_numpy(np.array([value], dtype=np.object_ if triton_type == "BYTES" else bool))
-        return t
 
     @task
     def generate(self):
@@ -181,11 +175,11 @@ class TritonGrpcUser(User):
                 done.set()
 
         inputs = [
-            self._input("text_input", prompt.text.encode(), "BYTES"),
-            self._input("stream", True, "BOOL"),
-            self._input("sampling_parameters", json.dumps(sampling(prompt, bool(o.dataset))).encode(), "BYTES"),
-            self._input("return_num_input_tokens", True, "BOOL"),
-            self._input("return_num_output_tokens", True, "BOOL"),
+            infer_input("text_input", prompt.text.encode()),
+            infer_input("stream", True),
+            infer_input("sampling_parameters", json.dumps(sampling(prompt, bool(o.dataset))).encode()),
+            infer_input("return_num_input_tokens", True),
+            infer_input("return_num_output_tokens", True),
         ]
         start = time.perf_counter()
         self.client.start_stream(callback=on_response)

@@ -97,10 +97,12 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
         yield
         await triton.close()
 
+    def authorize(request: Request) -> None:
+        if settings.api_key is not None and request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
+            raise ApiError(401, "invalid or missing API key", "authentication_error")
+
     async def read_body(request: Request) -> dict:
-        if settings.api_key is not None:
-            if request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
-                raise ApiError(401, "invalid or missing API key", "authentication_error")
+        authorize(request)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
             raise ApiError(413, f"request body over {settings.max_body_bytes} bytes")
@@ -327,8 +329,10 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def guarded_models(request: Request) -> Response:
-        if settings.api_key is not None and request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
-            return ApiError(401, "invalid or missing API key", "authentication_error").response()
+        try:
+            authorize(request)
+        except ApiError as e:
+            return e.response()
         return await models(request)
 
     async def chat_endpoint(request: Request) -> Response:

@@ -33,7 +33,12 @@ class Chunk:
     final: bool = False  # the request's last response
 
 
-def _tensor(name: str, value, triton_type: str):
+def infer_input(name: str, value: bytes | bool):
+    """A one-element input of the vLLM-backend contract: BYTES for bytes, BOOL for bools.
+
+    (tritonclient.grpc and tritonclient.grpc.aio share this InferInput class.)
+    """
+    triton_type = "BYTES" if isinstance(value, bytes) else "BOOL"
     t = grpcclient.InferInput(name, [1], triton_type)
     t.set_data_from_numpy(np.array([value], dtype=np.object_ if triton_type == "BYTES" else bool))
     return t
@@ -58,14 +63,14 @@ class TritonClient:
                        request_id: str) -> AsyncIterator[Chunk]:
         """Responses of one request; leaving the iteration early cancels it on the server."""
         inputs = [
-            _tensor("text_input", prompt.encode(), "BYTES"),
-            _tensor("sampling_parameters", json.dumps(parameters).encode(), "BYTES"),
-            _tensor("stream", stream, "BOOL"),
-            _tensor("exclude_input_in_output", not echo, "BOOL"),
-            _tensor("return_finish_reason", True, "BOOL"),
-            _tensor("return_num_input_tokens", True, "BOOL"),
-            _tensor("return_num_output_tokens", True, "BOOL"),
-            _tensor("return_logprobs", logprobs, "BOOL"),
+            infer_input("text_input", prompt.encode()),
+            infer_input("sampling_parameters", json.dumps(parameters).encode()),
+            infer_input("stream", stream),
+            infer_input("exclude_input_in_output", not echo),
+            infer_input("return_finish_reason", True),
+            infer_input("return_num_input_tokens", True),
+            infer_input("return_num_output_tokens", True),
+            infer_input("return_logprobs", logprobs),
         ]
 
         async def requests():
