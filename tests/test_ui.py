@@ -126,7 +126,6 @@ def test_stop_ends_the_reply_and_the_server_request(page, stack):
     stopped_at = _bot_text(page)
     time.sleep(2.0)
     assert _bot_text(page) == stopped_at  # no longer growing
-    assert "stopped" in page.locator("#reply-stats").inner_text()
     deadline = time.monotonic() + 15
     while _metric(ports, "vllm:num_requests_running") != 0 and time.monotonic() < deadline:
         time.sleep(0.2)

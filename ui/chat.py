@@ -179,7 +179,9 @@ def build_app(settings: UISettings) -> gr.Blocks:
             regenerate.click(drop_last_reply, chatbot, chatbot, queue=False).then(
                 respond, [chatbot, *settings_inputs], [chatbot, stats]),
         ]
-        stop.click(lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats, cancels=events, queue=False)
+        # Label the reply once the cancellation went through (queued behind it, not racing it).
+        stop.click(None, cancels=events, queue=False).then(
+            lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats)
         clear.click(lambda: ([], ""), None, [chatbot, stats], cancels=events)
         timer = gr.Timer(REFRESH_S)
         timer.tick(backend.server_panel, None, [panel, plot])
