@@ -83,7 +83,8 @@ def test_invalid_request_raises_at_the_caller_and_others_go_on(engine):
 
 def test_explicit_abort_ends_the_stream_with_abort(engine):
     async def main():
-        task = asyncio.create_task(_collect(engine, "Count to a thousand:", SamplingParams(max_tokens=500), "victim"))
+        params = SamplingParams(max_tokens=500, ignore_eos=True)  # still running when the abort comes
+        task = asyncio.create_task(_collect(engine, "Count to a thousand:", params, "victim"))
         await asyncio.sleep(0.5)
         engine.abort("victim")
         return await task
