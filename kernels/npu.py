@@ -13,20 +13,13 @@ import torch
 import torch_npu
 
 from kernels.metadata import AttentionMetadata
+from kernels.torch_ref import linear, pack_linear_weight  # noqa: F401  (matmuls: plain torch on the NPU)
 
 BLOCK_SIZE = 128
 # Masked value per dtype, as vllm-ascend builds its masks (attention.py generate_attn_mask /
 # get_splitfuse_attn_mask): -inf for fp16; for bf16 the prefill kernel takes 1 and splitfuse -10000.
 _PREFILL_MASKED = {torch.float16: float("-inf"), torch.bfloat16: 1.0}
 _SPLITFUSE_MASKED = {torch.float16: float("-inf"), torch.bfloat16: -10000.0}
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    return weight
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:

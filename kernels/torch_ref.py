@@ -70,12 +70,12 @@ def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadat
             blocks = metadata.block_tables[i, : -(-ctx_len // metadata.block_size)]
             k = gather_kv(key_cache, blocks)[:ctx_len]
             v = gather_kv(value_cache, blocks)[:ctx_len]
-        out[start : start + q_len] = _prefill_attention(query[start : start + q_len], k, v, scale)
+        out[start : start + q_len] = prefill_attention(query[start : start + q_len], k, v, scale)
         start += q_len
     return out
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence: q [q_len, Hq, D] are the last q_len of the ctx_len tokens in k/v [ctx_len, Hkv, D]."""
     q_len, num_heads, head_dim = q.shape
     ctx_len, num_kv_heads, _ = k.shape

@@ -161,30 +161,23 @@ GATEWAY_API_KEY = "test-key"
 
 
 def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None = GATEWAY_API_KEY):
-    """`npu-llm gateway` as a real process; returns it once /v1/models answers."""
+    """`npu-llm gateway` as a real process; returns it once it answers HTTP."""
     import subprocess
     import sys
-    import time
-    import urllib.error
-    import urllib.request
+
+    from backend.serve import wait_http
 
     argv = [sys.executable, "-m", "backend.cli", "gateway", "--triton-url", triton_grpc_url, "--port", str(port),
             "--max-body-bytes", "200000"]
     if api_key:
         argv += ["--api-key", api_key]
-    log = open(log_path, "w")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
-            return process
-        except (urllib.error.URLError, OSError):
-            if process.poll() is not None:
-                raise RuntimeError(f"gateway exited: {open(log_path).read()[-3000:]}")
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("gateway did not start")
+    process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/metrics", process, "gateway", timeout=120)
+    except Exception:
+        process.kill()
+        raise RuntimeError(f"gateway did not start: {open(log_path).read()[-3000:]}")
+    return process
 
 
 @pytest.fixture(scope="session")

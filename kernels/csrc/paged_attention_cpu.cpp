@@ -43,6 +43,23 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Walks one sequence's tokens through its block table: for token t, its row of `cache` (one KV
+// head, already offset) is converted into `row` and fn(t) runs.
+template <int HD, typename T, typename Fn>
+inline void for_each_row(const T* cache, const int32_t* table, int64_t ctx, int64_t block_size, int64_t token_stride,
+                         int64_t runtime_dim, float* row, Fn&& fn) {
+  const int64_t head_dim = HD ? HD : runtime_dim;
+  for (int64_t b = 0, t = 0; t < ctx; ++b) {
+    const T* r = cache + static_cast<int64_t>(table[b]) * block_size * token_stride;
+    const int64_t n = std::min(block_size, ctx - t);
+    for (int64_t o = 0; o < n; ++o, ++t, r += token_stride) {
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) row[d] = load(r, d);
+      fn(t);
+    }
+  }
+}
+
 // One (sequence, KV head) task. HD is the head dim when known at compile time (0: runtime),
 // which lets the compiler keep a whole K/V row in vector registers.
 template <typename T, int HD>
@@ -50,23 +67,16 @@ void attend_one(const float* q, const T* key_cache, const T* value_cache, const 
                 int64_t group, int64_t runtime_dim, int64_t block_size, int64_t token_stride, float* scores, float* acc) {
   const int64_t head_dim = HD ? HD : runtime_dim;
   float row[HD ? HD : 512];
-  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
 
-  for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
-    const T* k = key_cache + static_cast<int64_t>(table[b]) * block_size * token_stride;
-    const int64_t n = std::min(block_size, ctx - b * block_size);
-    for (int64_t o = 0; o < n; ++o, ++t, k += token_stride) {
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) row[d] = load(k, d);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
-        float s = 0.f;
+  for_each_row<HD>(key_cache, table, ctx, block_size, token_stride, head_dim, row, [&](int64_t t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * head_dim;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
-        scores[g * ctx + t] = s;
-      }
+      for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
+      scores[g * ctx + t] = s;
     }
-  }
+  });
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * ctx;
     float m = -std::numeric_limits<float>::infinity();
@@ -82,20 +92,14 @@ void attend_one(const float* q, const T* key_cache, const T* value_cache, const 
     for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
   std::fill(acc, acc + group * head_dim, 0.f);
-  for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
-    const T* v = value_cache + static_cast<int64_t>(table[b]) * block_size * token_stride;
-    const int64_t n = std::min(block_size, ctx - b * block_size);
-    for (int64_t o = 0; o < n; ++o, ++t, v += token_stride) {
+  for_each_row<HD>(value_cache, table, ctx, block_size, token_stride, head_dim, row, [&](int64_t t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = scores[g * ctx + t];
+      float* a = acc + g * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) row[d] = load(v, d);
-      for (int64_t g = 0; g < group; ++g) {
-        const float w = scores[g * ctx + t];
-        float* a = acc + g * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row[d];
-      }
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row[d];
     }
-  }
+  });
 }
 
 template <typename T>

@@ -143,7 +143,7 @@ def _npu_flash_attention(*, query, key, value, mask, seq_len, scale_value, num_h
              f"{name}: mask must be the [S,S] causal mask (masked = {masked} for {query.dtype})")
     start = 0
     for n in lens:
-        out[start : start + n] = torch_ref._prefill_attention(query[start : start + n], key[start : start + n],
+        out[start : start + n] = torch_ref.prefill_attention(query[start : start + n], key[start : start + n],
                                                              value[start : start + n], scale_value)
         start += n
 
@@ -166,7 +166,7 @@ def _npu_paged_attention_splitfuse(*, query, key_cache, value_cache, block_table
         blocks = block_table[i, : -(-c // block_size)].long()
         k = torch_ref.gather_kv(key_cache, blocks)[:c]
         v = torch_ref.gather_kv(value_cache, blocks)[:c]
-        out[start : start + q] = torch_ref._prefill_attention(query[start : start + q], k, v, scale_value)
+        out[start : start + q] = torch_ref.prefill_attention(query[start : start + q], k, v, scale_value)
         start += q
 
 
