@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -11,6 +12,8 @@ from backend.platform import DEVICE_CHOICES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +31,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit number of KV blocks (overrides both budgets)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # False: decode steps replay captured CUDA / NPU graphs. Eager by default until verified on Ascend hardware.
+    enforce_eager: bool = True
+    max_seq_len_to_capture: int = 8192  # decode batches holding a longer sequence run eagerly
     seed: int = 0
 
     def __post_init__(self):
@@ -54,7 +60,7 @@ class EngineConfig:
             fail("dtype", f"must be one of {', '.join(DTYPE_CHOICES)}")
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             fail("block_size", "must be a power of two")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "max_seq_len_to_capture"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 fail(name, "must be at least 1")
         if self.max_num_seqs < 1:
@@ -74,6 +80,9 @@ class EngineConfig:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:
             raise ValueError(f"max_model_len={self.max_model_len}: the model supports at most {model_max_len}")
+        if platform == "cpu" and not self.enforce_eager:
+            log.warning("enforce_eager=False: torch has no CPU graphs, so the engine runs eagerly")
+            self.enforce_eager = True
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -26,6 +26,15 @@ class Platform:
     def dist_backend(self) -> str:
         return DIST_BACKENDS[self.name]
 
+    @property
+    def graph_api(self):
+        """(graph class, capture context manager, memory-pool factory), or None where torch has no device graphs."""
+        if self.name == "cuda":
+            return torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.graph_pool_handle
+        if self.name == "npu":
+            return torch.npu.NPUGraph, torch.npu.graph, torch.npu.graph_pool_handle
+        return None
+
     def synchronize(self) -> None:
         if self.name == "cuda":
             torch.cuda.synchronize(self.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kernels.torch_ref import (  # noqa: F401
     add_rms_norm,
+    decode_graph_widths,
     linear,
     pack_linear_weight,
     paged_attention,

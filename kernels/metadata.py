@@ -8,6 +8,7 @@ call per chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused tail entries are 0
     context_lens_tensor: torch.Tensor  # [num_seqs] int32
+    # Set (to a list) only while a decode graph is captured: kernels whose attention op takes host
+    # arguments append a function that re-issues it with new context lengths before each replay.
+    graph_updates: list[Callable[[torch.Tensor], None]] | None = None
 
     @classmethod
     def build(

@@ -67,11 +67,13 @@ def paged_attention(query, key, value, key_cache, value_cache, metadata: Attenti
     if metadata.num_decodes == len(q_lens):
         # OP 7.1.0 _npu_paged_attention(query, key_cache, value_cache, int num_kv_heads, int num_heads,
         #                               float scale_value, block_table, context_lens, Tensor(a!) out)
-        torch_npu._npu_paged_attention(
-            query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
-            num_heads=num_heads, scale_value=scale, block_table=metadata.block_tables, context_lens=context_lens,
-            out=out,
-        )
+        args = dict(query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
+                    num_heads=num_heads, scale_value=scale, block_table=metadata.block_tables,
+                    context_lens=context_lens, out=out)
+        if metadata.graph_updates is None:
+            torch_npu._npu_paged_attention(**args)
+        else:
+            _capture_paged_attention(args, metadata.graph_updates)
     elif metadata.num_decodes == 0 and q_lens == ctx_lens:
         # SelfAttentionAtb.cpp _npu_flash_attention(query, key, value, mask, seq_len, float scale_value,
         #                                           int num_heads, int num_kv_heads, Tensor(a!) out); mask [S, S]
@@ -99,3 +101,38 @@ def paged_attention(query, key, value, key_cache, value_cache, metadata: Attenti
             scale_value=scale, out=out,
         )
     return out
+
+
+def _capture_paged_attention(args: dict, graph_updates: list) -> None:
+    """Capture the decode op as a task group that can be re-issued with new context lengths.
+
+    The op reads context_lens as host data, which a captured graph would freeze, so it is
+    issued inside graph_task_group_begin/end and, before each replay, re-issued with the
+    step's lengths inside graph_task_update_begin/end (vllm-ascend compilation/acl_graph.py
+    _update_attn_pa_params). Under capture the op needs a preallocated workspace, sized by the
+    capture's (longest) lengths: the op-plugin master schema's `workspace=` and
+    _npu_paged_attention_get_workspace; torch_npu 2.5.1 (op-plugin 7.1.0) lacks both.
+    """
+    if not hasattr(torch_npu, "_npu_paged_attention_get_workspace"):
+        raise RuntimeError(
+            "NPU graph mode needs a torch_npu whose _npu_paged_attention takes a workspace "
+            f"(torch_npu {getattr(torch_npu, '__version__', '?')} has none); run with enforce_eager=True"
+        )
+    args["workspace"] = torch_npu._npu_paged_attention_get_workspace(**args)
+    stream = torch.npu.current_stream()
+    torch.npu.graph_task_group_begin(stream)
+    torch_npu._npu_paged_attention(**args)
+    handle = torch.npu.graph_task_group_end(stream)
+
+    def update(context_lens: torch.Tensor) -> None:
+        stream = torch.npu.current_stream()
+        torch.npu.graph_task_update_begin(stream, handle)
+        torch_npu._npu_paged_attention(**{**args, "context_lens": context_lens})
+        torch.npu.graph_task_update_end(stream)
+
+    graph_updates.append(update)
+
+
+def decode_graph_widths(max_len: int, block_size: int) -> list[int]:
+    """One width: the decode op is re-issued with each step's real lengths, so no ladder is needed."""
+    return [max_len]

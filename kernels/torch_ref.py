@@ -112,6 +112,19 @@ def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata,
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
+def decode_graph_widths(max_len: int, block_size: int) -> list[int]:
+    """The context widths (tokens) to capture decode graphs for, shortest first.
+
+    Under capture, decode_attention reads every block up to the width the graph was captured with
+    (context_lens only masks), so a ladder of widths keeps short contexts cheap.
+    """
+    widths, width = [], 2 * block_size
+    while width < max_len:
+        widths.append(width)
+        width *= 2
+    return widths + [max_len]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back before the weight, as Hugging Face Llama does."""
     x32 = x.float()

@@ -40,3 +40,17 @@ def test_engine_on_cuda_matches_cpu_greedy():
     cpu = LLM(device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16)
     for a, b in zip(gpu.generate(prompts, params), cpu.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_cuda_graphs_match_eager():
+    from backend import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    args = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024)
+    graphed = LLM(enforce_eager=False, **args)
+    graphed_outputs = graphed.generate(prompts, params)
+    assert graphed.engine.runner.decode_graphs.num_replays >= params.max_tokens - 1
+    for a, b in zip(graphed_outputs, LLM(**args).generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -143,3 +143,14 @@ def test_bad_requests_leave_the_engine_serving(llm):
     outputs = _run_until_done(engine)
     assert [o.request_id for o in outputs if o.finished] == ["good"]
     assert engine.stats().kv_cache_usage == 0
+
+
+def test_graph_mode_falls_back_to_eager_on_cpu():
+    from backend.config import EngineConfig
+
+    config = EngineConfig(enforce_eager=False)
+    config.finalize("cpu", 2048)
+    assert config.enforce_eager  # torch has no CPU graphs
+    config = EngineConfig(enforce_eager=False)
+    config.finalize("cuda", 2048)
+    assert not config.enforce_eager

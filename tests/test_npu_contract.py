@@ -139,3 +139,63 @@ def test_engine_on_npu_equals_cpu_path(fake_npu, monkeypatch):
 
     with pytest.raises(ValueError, match="block_size"):
         LLM(device="npu", dtype="bfloat16", block_size=16, num_kv_blocks=8)
+
+
+def test_fake_graph_replays_recorded_ops_and_task_group_updates(fake_npu):
+    """The fake NPUGraph behaves as a captured graph: replay recomputes on whatever the captured
+    buffers hold, host values stay as captured, and only a task-group update changes them."""
+    graph, x, host = torch.npu.NPUGraph(), torch.ones(3), torch.tensor([2], dtype=torch.int32)
+    out = torch.empty(3)
+    with torch.inference_mode():
+        with torch.npu.graph(graph):
+            doubled = x * 2
+            stream = torch.npu.current_stream()
+            torch.npu.graph_task_group_begin(stream)
+            torch.add(doubled, int(host), out=out)  # the host value is baked in
+            handle = torch.npu.graph_task_group_end(stream)
+        x.copy_(torch.tensor([1.0, 2.0, 3.0]))
+        host.fill_(100)  # not seen by the replay
+        graph.replay()
+        assert out.tolist() == [4.0, 6.0, 8.0]
+        torch.npu.graph_task_update_begin(stream, handle)
+        torch.add(doubled, int(host), out=out)
+        torch.npu.graph_task_update_end(stream)
+        x.zero_()
+        graph.replay()
+        assert out.tolist() == [100.0, 100.0, 100.0]
+    with pytest.raises(fake_npu._graphs.NpuGraphError, match="only valid while capturing"):
+        torch.npu.graph_task_group_begin(stream)
+
+
+@pytest.mark.slow
+def test_graph_mode_on_npu_equals_eager(fake_npu):
+    """enforce_eager=False: decode steps replay captured NPU graphs, the paged-attention op re-issued with each
+    step's lengths; greedy tokens equal the eager engine's, padded batches and the eager fallback included."""
+    from backend import LLM, SamplingParams
+
+    # Step 1 prefills all four prompts (eagerly). Steps 2-4 decode all four: the long prompt (~280 tokens) passes
+    # the 256-token capture limit, so they run eagerly too. The long one stops after 4 tokens, and steps 5-12
+    # replay the 4-row graph for the three short ones, with one padding row.
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2,", "Once upon a time " * 70]
+    params = [SamplingParams(temperature=0, max_tokens=12)] * 3 + [SamplingParams(temperature=0, max_tokens=4)]
+    args = dict(device="npu", dtype="bfloat16", num_kv_blocks=24, max_num_seqs=4, max_model_len=512,
+                max_seq_len_to_capture=256)
+    graphed = LLM(enforce_eager=False, **args)
+    graphs = graphed.engine.runner.decode_graphs
+    assert graphs.batch_sizes == [1, 2, 4] and graphs.widths == [256]
+    assert fake_npu.calls["_npu_paged_attention_get_workspace"] == 3 * graphed.engine.model.num_layers
+    graphed_outputs = graphed.generate(prompts, params)
+    assert graphs.num_replays == 8
+
+    eager = LLM(**args)
+    assert eager.engine.runner.decode_graphs is None  # eager is the default
+    for a, b in zip(graphed_outputs, eager.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_graph_mode_needs_the_paged_attention_workspace_api(fake_npu, monkeypatch):
+    from backend import LLM
+
+    monkeypatch.delattr(fake_npu, "_npu_paged_attention_get_workspace")  # torch_npu 2.5.1's op set
+    with pytest.raises(RuntimeError, match="workspace.*enforce_eager=True"):
+        LLM(device="npu", dtype="bfloat16", num_kv_blocks=8, max_num_seqs=1, max_model_len=256, enforce_eager=False)

@@ -110,6 +110,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
         num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.platform.device)
+        if not config.enforce_eager:
+            max_len = min(config.max_model_len, config.max_seq_len_to_capture)
+            self.runner.capture_decode_graphs(self.platform, config.max_num_seqs, max_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
@@ -131,7 +134,7 @@ class LLMEngine:
             device_module = getattr(torch, self.platform.name)
             free, total = device_module.mem_get_info(self.platform.device)
             budget = free - total * (1 - self.config.gpu_memory_utilization)
-        blocks = int(budget // per_block)
+        blocks = int(budget // per_block) - 1  # the runner adds a scratch block
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise gpu_memory_utilization or kv_cache_memory_gb")
         return blocks

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backend.engine.decode_graphs import DecodeGraphs
+from backend.platform import Platform
 from kernels import AttentionMetadata
 
 
@@ -25,12 +27,22 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         dtype = model.model.embed_tokens.weight.dtype
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        # One block past the pool's: a scratch block no request owns, where padded rows write their K/V.
+        shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(model.num_layers)
         ]
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, platform: Platform, max_num_seqs: int, max_len: int) -> None:
+        """From now on, decode-only steps replay captured device graphs (see decode_graphs)."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, platform, self.block_size, self.scratch_block,
+                              max_num_seqs, max_len)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -45,17 +57,11 @@ class ModelRunner:
         ordered = [chunks[i] for i in order]
         query_lens = [len(c.token_ids) for c in ordered]
         context_lens = [c.num_computed + len(c.token_ids) for c in ordered]
-        metadata = AttentionMetadata.build(
-            query_lens, context_lens, [c.block_ids for c in ordered], self.block_size, self.device
-        )
-        input_ids = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
-        positions = np.concatenate([np.arange(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered])
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
-            self.kv_caches,
-            metadata,
-        )
+        if self.decode_graphs is not None and self.decode_graphs.covers(query_lens, context_lens):
+            hidden = self.decode_graphs.run([c.token_ids[0] for c in ordered], context_lens,
+                                            [c.block_ids for c in ordered])
+        else:
+            hidden = self._forward(ordered, query_lens, context_lens)
         # Only the last token of each sequence that wants logits reaches the lm_head.
         last = np.cumsum(query_lens) - 1
         where = {i: last[rank] for rank, i in enumerate(order)}
@@ -63,3 +69,16 @@ class ModelRunner:
         if not rows:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+
+    def _forward(self, ordered: list[SequenceChunk], query_lens: list[int], context_lens: list[int]) -> torch.Tensor:
+        metadata = AttentionMetadata.build(
+            query_lens, context_lens, [c.block_ids for c in ordered], self.block_size, self.device
+        )
+        input_ids = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
+        positions = np.concatenate([np.arange(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered])
+        return self.model(
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.kv_caches,
+            metadata,
+        )

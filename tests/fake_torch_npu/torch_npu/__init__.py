@@ -5,6 +5,7 @@ their arguments the way the real ops document them (../shared/NPU_OPS.md): keywo
 fp16/bf16 only, int32 slot indices and block tables, CPU int32 lengths, contiguous outputs,
 block sizes, and the exact causal masks vllm-ascend builds. A wrong call raises, as the real
 op would fail. Tensors live on the CPU: `backing_device_type` tells npu-llm's platform so.
+Graph capture and replay (torch.npu.NPUGraph, task-group updates) live in _graphs.py.
 
 Only tests put this package on sys.path (tests/test_npu_contract.py).
 """
@@ -17,6 +18,8 @@ import torch
 
 from kernels import torch_ref
 from kernels.metadata import AttentionMetadata
+
+from . import _graphs
 
 backing_device_type = "cpu"
 __version__ = ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0.post1"  # built for this torch
@@ -113,14 +116,26 @@ def _metadata(query_lens, context_lens, block_table, block_size) -> AttentionMet
 
 
 def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
-                         context_lens, out):
+                         context_lens, out, workspace=None):
+    # The op-plugin master schema: `*, Tensor? workspace=None` after out (7.1.0 has no workspace).
     name = "_npu_paged_attention"
     _count(name)
     _check_paged(name, query, key_cache, value_cache, num_kv_heads, num_heads, block_table, out)
     _cpu_int32(name, "context_lens", context_lens)
     _require(context_lens.shape == (query.shape[0],), f"{name}: one context length per query token")
+    # Under graph capture the op cannot allocate its own workspace (vllm-ascend passes one it got from
+    # _npu_paged_attention_get_workspace for the captured shape).
+    _require(workspace is not None or not _graphs.is_capturing(), f"{name}: a graph capture needs a workspace")
     md = _metadata([1] * query.shape[0], context_lens.tolist(), block_table, key_cache.shape[1])
     out.copy_(torch_ref.decode_attention(query, key_cache, value_cache, md, scale_value))
+
+
+def _npu_paged_attention_get_workspace(*, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+                                       block_table, context_lens, out):
+    # Sized by the host context_lens it is given: capture with the longest lengths the graph will replay.
+    _count("_npu_paged_attention_get_workspace")
+    _cpu_int32("_npu_paged_attention_get_workspace", "context_lens", context_lens)
+    return torch.empty(int(context_lens.sum()) * num_heads, dtype=torch.float32, device=query.device)
 
 
 def _causal_mask(q_lens, ctx_lens, columns, masked, dtype):
@@ -192,4 +207,7 @@ def _mem_get_info(device=None):
 
 
 npu.mem_get_info = _mem_get_info
+for _name in ("NPUGraph", "graph", "graph_pool_handle", "current_stream", "graph_task_group_begin",
+              "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end"):
+    setattr(npu, _name, getattr(_graphs, _name))
 torch.npu = npu
