@@ -94,7 +94,21 @@ def check_torch_npu() -> tuple[list[Check], bool]:
     checks.append(Check("torch.npu.is_available()", OK if available else FAIL,
                         f"{torch.npu.device_count()} device(s)" if available else "False",
                         "" if available else "check npu-smi, the device files and ASCEND_RT_VISIBLE_DEVICES"))
+    checks.append(check_npu_graphs(torch_npu))
     return checks, available
+
+
+def check_npu_graphs(torch_npu) -> Check:
+    """Graph mode re-issues the paged-attention op into captured graphs, with a preallocated workspace."""
+    import torch
+
+    missing = [n for n in ("_npu_paged_attention_get_workspace",) if not hasattr(torch_npu, n)]
+    missing += [f"torch.npu.{n}" for n in ("NPUGraph", "graph_task_update_begin") if not hasattr(torch.npu, n)]
+    if missing:
+        return Check("NPU graph mode", WARN, f"missing {', '.join(missing)}",
+                     "eager mode works; for --no-enforce-eager install a torch_npu whose _npu_paged_attention "
+                     "takes a workspace")
+    return Check("NPU graph mode", OK, "NPUGraph, task-group updates, paged-attention workspace")
 
 
 def check_device_files() -> Check:

@@ -43,6 +43,7 @@ def test_with_torch_npu_installed(tmp_path):
     assert " OK " in _row(ready.stdout, "torch / torch_npu versions"), ready.stdout + ready.stderr
     assert " OK " in _row(ready.stdout, "torch.npu.is_available()")
     assert " OK " in _row(ready.stdout, "CANN environment")
+    assert " OK " in _row(ready.stdout, "NPU graph mode")
     env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")}
     no_cann = subprocess.run([sys.executable, "-m", "backend.cli", "doctor"], capture_output=True, text=True,
                              timeout=180, env={**env, "PYTHONPATH": pythonpath})
