@@ -165,6 +165,9 @@ def test_fake_graph_replays_recorded_ops_and_task_group_updates(fake_npu):
         assert out.tolist() == [100.0, 100.0, 100.0]
     with pytest.raises(fake_npu._graphs.NpuGraphError, match="only valid while capturing"):
         torch.npu.graph_task_group_begin(stream)
+    with pytest.raises(fake_npu._graphs.NpuGraphError, match="syncs the device"):
+        with torch.inference_mode(), torch.npu.graph(torch.npu.NPUGraph()):
+            int((x + 1).max())
 
 
 @pytest.mark.slow

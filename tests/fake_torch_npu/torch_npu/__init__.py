@@ -135,7 +135,7 @@ def _npu_paged_attention_get_workspace(*, query, key_cache, value_cache, num_kv_
     # Sized by the host context_lens it is given: capture with the longest lengths the graph will replay.
     _count("_npu_paged_attention_get_workspace")
     _cpu_int32("_npu_paged_attention_get_workspace", "context_lens", context_lens)
-    return torch.empty(int(context_lens.sum()) * num_heads, dtype=torch.float32, device=query.device)
+    return torch.empty(sum(context_lens.tolist()) * num_heads, dtype=torch.float32, device=query.device)
 
 
 def _causal_mask(q_lens, ctx_lens, columns, masked, dtype):

@@ -54,17 +54,32 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+_HOST_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default,
+               torch.ops.aten.is_nonzero.default)
+
+
 class _Recorder(TorchDispatchMode):
-    """Runs every op as usual and appends it to `sink` (a list, swapped by task groups)."""
+    """Runs every op as usual and appends it to `sink` (a list, swapped by task groups).
+
+    Reading a value computed inside the graph back to the host (.item(), int(), a Python branch
+    on it) needs a device sync, which a real capture refuses, so it raises here too.
+    Host constants (torch.tensor(...) of Python data, lifted into the graph) may be read.
+    """
 
     def __init__(self, sink: list):
         super().__init__()
         self.sink = sink
+        self.computed: set[int] = set()  # data_ptrs of the tensors ops produced during the capture
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _HOST_READS and args[0].data_ptr() in self.computed:
+            raise NpuGraphError(f"{func}: reading a value computed in the graph on the host syncs the "
+                                "device, which a graph capture does not allow")
         result = func(*args, **kwargs)
         self.sink.append(_Launch(func, args, kwargs, _tensors(result)))
+        if func not in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.computed.update(t.data_ptr() for t in _tensors(result))
         return result
 
 
