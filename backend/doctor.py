@@ -102,8 +102,9 @@ def check_npu_graphs(torch_npu) -> Check:
     """Graph mode re-issues the paged-attention op into captured graphs, with a preallocated workspace."""
     import torch
 
-    missing = [n for n in ("_npu_paged_attention_get_workspace",) if not hasattr(torch_npu, n)]
-    missing += [f"torch.npu.{n}" for n in ("NPUGraph", "graph_task_update_begin") if not hasattr(torch.npu, n)]
+    needed = [(torch_npu, "_npu_paged_attention_get_workspace"), (torch.npu, "NPUGraph"),
+              (torch.npu, "graph_task_update_begin")]
+    missing = [f"{module.__name__}.{name}" for module, name in needed if not hasattr(module, name)]
     if missing:
         return Check("NPU graph mode", WARN, f"missing {', '.join(missing)}",
                      "eager mode works; for --no-enforce-eager install a torch_npu whose _npu_paged_attention "

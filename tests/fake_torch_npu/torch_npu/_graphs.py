@@ -47,7 +47,6 @@ class _Launch:
 @dataclass
 class _TaskGroup:
     launches: list[_Launch] = field(default_factory=list)
-    owner: "NPUGraph | None" = None
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -107,7 +106,6 @@ class NPUGraph:
     def __init__(self):
         self._items: list[_Launch | _TaskGroup] = []
         self._captured = False
-        self.replays = 0
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         if _STREAM.capturing is not None:
@@ -133,7 +131,6 @@ class NPUGraph:
         for item in self._items:
             for launch in item.launches if isinstance(item, _TaskGroup) else [item]:
                 launch.run()
-        self.replays += 1
 
     def reset(self) -> None:
         self._items, self._captured = [], False
@@ -165,7 +162,7 @@ def graph_task_group_begin(stream: _Stream) -> None:
         raise NpuGraphError("graph_task_group_begin: only valid while capturing a graph")
     if stream.group is not None:
         raise NpuGraphError("graph_task_group_begin: task groups do not nest")
-    stream.group = _TaskGroup(owner=stream.capturing)
+    stream.group = _TaskGroup()
     stream.capturing._items.append(stream.group)
     stream.recorder.sink = stream.group.launches
 
