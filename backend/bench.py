@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 
 import torch
@@ -52,9 +53,12 @@ def run_throughput_bench(args) -> dict:
 
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=2))  # warm-up
     before = engine.stats()
+    if config.profile_dir:
+        llm.start_profile()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - start
+    profile = llm.stop_profile() if config.profile_dir else None
     stats = engine.stats()
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_output_tokens == args.output_len * len(prompts)
@@ -88,5 +92,8 @@ def run_throughput_bench(args) -> dict:
             "total_tokens_per_s": round((num_output_tokens + num_prompt_tokens) / hf_elapsed, 1),
         }
         result["output_throughput_ratio"] = round(hf_elapsed / elapsed, 2)
+    if profile is not None:
+        print(profile.table(), file=sys.stderr, flush=True)
+        result["profile"] = {"trace": profile.trace_path, "note": "timed with profiling on: slower than without"}
     print(json.dumps(result), flush=True)
     return result

@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--output-len", type=int, default=128)
     throughput.add_argument("--baseline", choices=("hf", "none"), default="hf")
     throughput.add_argument("--hf-batch-size", type=int, default=16)
+    throughput.add_argument("--profile", dest="profile_dir", metavar="DIR",
+                            help="profile the timed run: a trace and a per-step breakdown into DIR")
     throughput.set_defaults(func=_cmd_bench)
     serving = kinds.add_parser("serving", help="serving overhead: in-process vs. Triton gRPC vs. gateway")
     add_serve_args(serving)

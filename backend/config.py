@@ -35,6 +35,7 @@ class EngineConfig:
     enforce_eager: bool = True
     max_seq_len_to_capture: int = 8192  # decode batches holding a longer sequence run eagerly
     seed: int = 0
+    profile_dir: str | None = None  # where start_profile / stop_profile write traces and step breakdowns
 
     def __post_init__(self):
         self._check()

@@ -13,6 +13,7 @@ import torch
 import torch_npu
 
 from kernels.metadata import AttentionMetadata
+from kernels.timing import scope
 from kernels.torch_ref import linear, pack_linear_weight  # noqa: F401  (matmuls: plain torch on the NPU)
 
 BLOCK_SIZE = 128
@@ -64,42 +65,45 @@ def paged_attention(query, key, value, key_cache, value_cache, metadata: Attenti
     out = torch.empty_like(query)
     q_lens, ctx_lens = metadata.query_lens, metadata.context_lens
     context_lens = torch.tensor(ctx_lens, dtype=torch.int32)  # CPU, per NPU_OPS.md §0
-    if metadata.num_decodes == len(q_lens):
-        # OP 7.1.0 _npu_paged_attention(query, key_cache, value_cache, int num_kv_heads, int num_heads,
-        #                               float scale_value, block_table, context_lens, Tensor(a!) out)
-        args = dict(query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
-                    num_heads=num_heads, scale_value=scale, block_table=metadata.block_tables,
-                    context_lens=context_lens, out=out)
-        if metadata.graph_updates is None:
-            torch_npu._npu_paged_attention(**args)
+    decode_only = metadata.num_decodes == len(q_lens)
+    # splitfuse serves a mixed batch's decodes and prefill chunks in one op: it counts as prefill attention
+    with scope("attention.decode" if decode_only else "attention.prefill"):
+        if decode_only:
+            # OP 7.1.0 _npu_paged_attention(query, key_cache, value_cache, int num_kv_heads, int num_heads,
+            #                               float scale_value, block_table, context_lens, Tensor(a!) out)
+            args = dict(query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
+                        num_heads=num_heads, scale_value=scale, block_table=metadata.block_tables,
+                        context_lens=context_lens, out=out)
+            if metadata.graph_updates is None:
+                torch_npu._npu_paged_attention(**args)
+            else:
+                _capture_paged_attention(args, metadata.graph_updates)
+        elif metadata.num_decodes == 0 and q_lens == ctx_lens:
+            # SelfAttentionAtb.cpp _npu_flash_attention(query, key, value, mask, seq_len, float scale_value,
+            #                                           int num_heads, int num_kv_heads, Tensor(a!) out); mask [S, S]
+            longest = max(q_lens)
+            future = torch.ones(longest, longest, dtype=torch.bool, device=query.device).triu(1)
+            mask = torch.zeros(longest, longest, dtype=query.dtype, device=query.device)
+            mask.masked_fill_(future, _PREFILL_MASKED[query.dtype])
+            torch_npu._npu_flash_attention(
+                query=query.contiguous(), key=key.contiguous(), value=value.contiguous(), mask=mask,
+                seq_len=torch.tensor(q_lens, dtype=torch.int32), scale_value=scale, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, out=out,
+            )
         else:
-            _capture_paged_attention(args, metadata.graph_updates)
-    elif metadata.num_decodes == 0 and q_lens == ctx_lens:
-        # SelfAttentionAtb.cpp _npu_flash_attention(query, key, value, mask, seq_len, float scale_value,
-        #                                           int num_heads, int num_kv_heads, Tensor(a!) out); mask [S, S]
-        longest = max(q_lens)
-        future = torch.ones(longest, longest, dtype=torch.bool, device=query.device).triu(1)
-        mask = torch.zeros(longest, longest, dtype=query.dtype, device=query.device)
-        mask.masked_fill_(future, _PREFILL_MASKED[query.dtype])
-        torch_npu._npu_flash_attention(
-            query=query.contiguous(), key=key.contiguous(), value=value.contiguous(), mask=mask,
-            seq_len=torch.tensor(q_lens, dtype=torch.int32), scale_value=scale, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, out=out,
-        )
-    else:
-        # _npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table, context_lens, mask,
-        #   seq_len, int num_kv_heads, int num_heads, float scale_value, Tensor(a!) out). Mask [T, max_ctx]:
-        # the token at absolute position p sees KV at positions <= p (VA get_splitfuse_attn_mask).
-        positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx_lens)]).to(query.device)
-        columns = torch.arange(max(ctx_lens), device=query.device)
-        mask = torch.zeros(len(positions), len(columns), dtype=query.dtype, device=query.device)
-        mask.masked_fill_(columns[None, :] > positions[:, None], _SPLITFUSE_MASKED[query.dtype])
-        torch_npu._npu_paged_attention_splitfuse(
-            query=query.contiguous(), key_cache=key_cache, value_cache=value_cache,
-            block_table=metadata.block_tables, context_lens=context_lens, mask=mask,
-            seq_len=torch.tensor(q_lens, dtype=torch.int32), num_kv_heads=num_kv_heads, num_heads=num_heads,
-            scale_value=scale, out=out,
-        )
+            # _npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table, context_lens, mask,
+            #   seq_len, int num_kv_heads, int num_heads, float scale_value, Tensor(a!) out). Mask [T, max_ctx]:
+            # the token at absolute position p sees KV at positions <= p (VA get_splitfuse_attn_mask).
+            positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx_lens)]).to(query.device)
+            columns = torch.arange(max(ctx_lens), device=query.device)
+            mask = torch.zeros(len(positions), len(columns), dtype=query.dtype, device=query.device)
+            mask.masked_fill_(columns[None, :] > positions[:, None], _SPLITFUSE_MASKED[query.dtype])
+            torch_npu._npu_paged_attention_splitfuse(
+                query=query.contiguous(), key_cache=key_cache, value_cache=value_cache,
+                block_table=metadata.block_tables, context_lens=context_lens, mask=mask,
+                seq_len=torch.tensor(q_lens, dtype=torch.int32), num_kv_heads=num_kv_heads, num_heads=num_heads,
+                scale_value=scale, out=out,
+            )
     return out
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
+from kernels.timing import scope
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -60,18 +61,22 @@ def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadat
     out = torch.empty_like(query)
     nd = metadata.num_decodes
     if nd:
-        out[:nd] = decode(query[:nd], key_cache, value_cache, metadata, scale)
-    start = nd
-    for i in range(nd, len(metadata.query_lens)):
-        q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
-        if ctx_len == q_len:  # nothing cached before this chunk: attend to the new K/V directly
-            k, v = key[start : start + q_len], value[start : start + q_len]
-        else:
-            blocks = metadata.block_tables[i, : -(-ctx_len // metadata.block_size)]
-            k = gather_kv(key_cache, blocks)[:ctx_len]
-            v = gather_kv(value_cache, blocks)[:ctx_len]
-        out[start : start + q_len] = prefill_attention(query[start : start + q_len], k, v, scale)
-        start += q_len
+        with scope("attention.decode"):
+            out[:nd] = decode(query[:nd], key_cache, value_cache, metadata, scale)
+    if nd == len(metadata.query_lens):
+        return out
+    with scope("attention.prefill"):
+        start = nd
+        for i in range(nd, len(metadata.query_lens)):
+            q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
+            if ctx_len == q_len:  # nothing cached before this chunk: attend to the new K/V directly
+                k, v = key[start : start + q_len], value[start : start + q_len]
+            else:
+                blocks = metadata.block_tables[i, : -(-ctx_len // metadata.block_size)]
+                k = gather_kv(key_cache, blocks)[:ctx_len]
+                v = gather_kv(value_cache, blocks)[:ctx_len]
+            out[start : start + q_len] = prefill_attention(query[start : start + q_len], k, v, scale)
+            start += q_len
     return out
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from backend.config import EngineConfig
 from backend.engine.engine import EngineStats, LLMEngine, PromptType, StepError
+from backend.engine.profiler import ProfileResult
 from backend.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,20 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def start_profile(self) -> None:
+        await self._call(LLMEngine.start_profile)
+
+    async def stop_profile(self) -> ProfileResult:
+        return await self._call(LLMEngine.stop_profile)
+
+    async def _call(self, method):
+        """method(engine) on the step thread, between two steps; its result or exception comes back here."""
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        future = asyncio.get_running_loop().create_future()
+        self._send(("call", future, method))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request; its stream (if still read) ends with finish_reason "abort"."""
         self._send(("abort", request_id))
@@ -155,6 +170,8 @@ class AsyncEngine:
             kind, request_id = command[0], command[1] if len(command) > 1 else None
             if kind == "stop":
                 return False
+            if kind == "call":
+                self._answer(command[1], command[2])
             if kind == "abort":
                 self.engine.abort_request(request_id)
             elif kind == "add":
@@ -162,6 +179,21 @@ class AsyncEngine:
                     self.engine.add_request(request_id, command[2], command[3])
                 except ValueError as e:
                     self._deliver(request_id, e)
+
+    def _answer(self, future: asyncio.Future, method) -> None:
+        try:
+            result, settle = method(self.engine), future.set_result
+        except Exception as e:
+            result, settle = e, future.set_exception
+
+        def resolve():
+            if not future.done():
+                settle(result)
+
+        try:
+            future.get_loop().call_soon_threadsafe(resolve)
+        except RuntimeError:  # the caller's loop is gone
+            pass
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

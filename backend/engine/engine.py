@@ -19,6 +19,7 @@ from backend.engine.request import (
     SamplingParams,
 )
 from backend.engine.runner import ModelRunner, SequenceChunk
+from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.sampler import sample
 from backend.engine.scheduler import Scheduler
 from backend.engine.tokenizer import chat_prompt_ids, eos_token_ids, load_tokenizer
@@ -26,6 +27,7 @@ from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
 from kernels import ops_for
+from kernels.timing import scope
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +125,20 @@ class LLMEngine:
         self._ids = itertools.count()
         self._num_steps = self._num_computed = self._num_prompt = self._num_generated = 0
         self._waste_sum = 0.0
+        self.profiler = Profiler(self.platform, config.profile_dir) if config.profile_dir else None
+        self._warm_up()
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, self.platform.device,
                  num_blocks, config.block_size)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """All one-time work before the first request: the first prefill and decode step build the
+        kernels (the CPU attention extension compiles on first use) and the matmul primitives."""
+        start = time.perf_counter()
+        logits = self.runner.warm_up(min(self.config.max_num_batched_tokens, self.config.max_model_len - 1))
+        probe = Request("warm-up", [0], SamplingParams(temperature=1.0, top_p=0.9, seed=0), 1, self.eos_token_ids)
+        sample(logits[:1], [probe])
+        log.info("warm-up took %.1f s", time.perf_counter() - start)
 
     def _blocks_that_fit(self) -> int:
         per_block = ModelRunner.bytes_per_block(self.model, self.config.block_size)
@@ -203,6 +217,20 @@ class LLMEngine:
         if emit_output:
             self._aborted.append(group.output())
 
+    # -- profiling --------------------------------------------------------------------------------
+
+    def start_profile(self) -> None:
+        """Start a capture (trace + step breakdown) into config.profile_dir; see backend/engine/profiler.py."""
+        if self.profiler is None:
+            raise ValueError("profiling is off: set the profile_dir engine argument to the directory for traces")
+        self.profiler.start()
+
+    def stop_profile(self) -> ProfileResult:
+        """End the capture: writes the trace and the breakdown table, and returns them."""
+        if self.profiler is None:
+            raise ValueError("profiling is off: set the profile_dir engine argument to the directory for traces")
+        return self.profiler.stop()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._aborted)
 
@@ -211,10 +239,19 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of the requests that changed."""
-        outputs, self._aborted = self._aborted, []
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return outputs
+        with scope("step"):
+            outputs, self._aborted = self._aborted, []
+            with scope("schedule"):
+                scheduled = self.scheduler.schedule()
+            if scheduled:
+                outputs += self._run(scheduled)
+        if scheduled and self.profiler is not None and self.profiler.active:
+            decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
+            self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens)
+        return outputs
+
+    def _run(self, scheduled) -> list[RequestOutput]:
+        outputs = []
         chunks = [
             SequenceChunk(
                 s.request.token_ids[s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens],
@@ -237,13 +274,15 @@ class LLMEngine:
 
         touched: dict[str, _Group] = {}
         if sampling:
-            result = sample(logits, sampling)
+            with scope("sample"):
+                result = sample(logits, sampling)
             for row, request in enumerate(sampling):
                 self._append_token(request, result.token_ids[row], result.logprobs[row], result.sampled_logprobs[row])
                 group = self._owner[id(request)][0]
                 touched[group.request_id] = group
         for group in touched.values():
-            outputs.append(group.output())
+            with scope("detokenize"):  # the output takes each sequence's new text from its detokenizer
+                outputs.append(group.output())
             if group.finished:
                 del self.groups[group.request_id]
                 for child in group.children:
@@ -263,10 +302,12 @@ class LLMEngine:
         can_stop = request.num_output_tokens >= request.params.min_tokens
         if can_stop and token in request.stop_token_ids:
             if request.params.include_stop_str_in_output:
-                detok.add_token(token)
+                with scope("detokenize"):
+                    detok.add_token(token)
             request.finish("stop", None if token in self.eos_token_ids and not request.params.ignore_eos else token)
         else:
-            stop_string = detok.add_token(token)
+            with scope("detokenize"):
+                stop_string = detok.add_token(token)
             if can_stop and stop_string is not None:
                 request.finish("stop", stop_string)
             elif request.num_output_tokens >= request.max_tokens or len(request.token_ids) >= self.config.max_model_len:
@@ -308,6 +349,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def start_profile(self) -> None:
+        self.engine.start_profile()
+
+    def stop_profile(self) -> ProfileResult:
+        return self.engine.stop_profile()
 
     def generate(
         self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams] | None = None

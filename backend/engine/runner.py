@@ -9,6 +9,11 @@ import torch
 from backend.engine.decode_graphs import DecodeGraphs
 from backend.platform import Platform
 from kernels import AttentionMetadata
+from kernels.timing import scope
+
+
+# Tokens of the warm-up prefill: enough for the prefill code paths, cheap at start-up.
+WARM_UP_TOKENS = 256
 
 
 @dataclass
@@ -50,6 +55,15 @@ class ModelRunner:
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
 
     @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> torch.Tensor:
+        """A prefill of num_tokens, then one decode step, all in the scratch block (its contents are
+        garbage by design); returns the decode step's logits."""
+        num_tokens = max(1, min(num_tokens, WARM_UP_TOKENS))
+        table = [self.scratch_block] * (num_tokens // self.block_size + 1)
+        self.execute([SequenceChunk([0] * num_tokens, 0, table)])
+        return self.execute([SequenceChunk([0], num_tokens, table)])
+
+    @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         """Run one step; fp32 logits [n, vocab] for the chunks that want them, in the order given."""
         # Kernels take decodes first; remember where each chunk went.
@@ -57,26 +71,32 @@ class ModelRunner:
         ordered = [chunks[i] for i in order]
         query_lens = [len(c.token_ids) for c in ordered]
         context_lens = [c.num_computed + len(c.token_ids) for c in ordered]
-        if self.decode_graphs is not None and self.decode_graphs.covers(query_lens, context_lens):
-            hidden = self.decode_graphs.run([c.token_ids[0] for c in ordered], context_lens,
-                                            [c.block_ids for c in ordered])
-        else:
-            hidden = self._forward(ordered, query_lens, context_lens)
         # Only the last token of each sequence that wants logits reaches the lm_head.
         last = np.cumsum(query_lens) - 1
         where = {i: last[rank] for rank, i in enumerate(order)}
         rows = [where[i] for i, c in enumerate(chunks) if c.wants_logits]
+        if self.decode_graphs is not None and self.decode_graphs.covers(query_lens, context_lens):
+            with scope("forward"):
+                hidden = self.decode_graphs.run([c.token_ids[0] for c in ordered], context_lens,
+                                                [c.block_ids for c in ordered])
+        else:
+            with scope("prepare"):
+                inputs = self._prepare(ordered, query_lens, context_lens)
+            with scope("forward"):
+                hidden = self.model(*inputs)
         if not rows:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        with scope("forward"):
+            return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
 
-    def _forward(self, ordered: list[SequenceChunk], query_lens: list[int], context_lens: list[int]) -> torch.Tensor:
+    def _prepare(self, ordered: list[SequenceChunk], query_lens: list[int], context_lens: list[int]):
+        """The model's arguments for one step: input ids, positions, KV caches, attention metadata."""
         metadata = AttentionMetadata.build(
             query_lens, context_lens, [c.block_ids for c in ordered], self.block_size, self.device
         )
         input_ids = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
         positions = np.concatenate([np.arange(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered])
-        return self.model(
+        return (
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(positions).to(self.device),
             self.kv_caches,

@@ -133,14 +133,21 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
 
     async def first_chunk(prompt: str, req, echo: bool, logprobs: bool, request_id: str):
         stream = triton.generate(prompt, req.engine_parameters(), req.stream, echo, logprobs, request_id)
+        with triton_errors():
+            try:
+                return await anext(stream), stream
+            except StopAsyncIteration:
+                raise ApiError(500, "Triton closed the stream without a response", "internal_error") from None
+
+    @contextlib.contextmanager
+    def triton_errors():
+        """Failures reported by the Triton client, as the gateway's HTTP errors."""
         try:
-            return await anext(stream), stream
+            yield
         except InvalidRequest as e:
             raise ApiError(400, str(e)) from None
         except TritonUnavailable as e:
             raise ApiError(503, str(e), "service_unavailable") from None
-        except StopAsyncIteration:
-            raise ApiError(500, "Triton closed the stream without a response", "internal_error") from None
         except RuntimeError as e:
             raise ApiError(500, str(e), "internal_error") from None
 
@@ -335,6 +342,16 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
             return e.response()
         return await models(request)
 
+    async def profile(request: Request, start: float) -> Response:
+        """POST /start_profile, /stop_profile (vLLM's admin routes): a capture in the engine, when it was
+        served with the profile_dir engine argument. Always behind the API key, when there is one."""
+        authorize(request)
+        with triton_errors():
+            return JSONResponse(await triton.admin(request.url.path.strip("/")))
+
+    async def profile_endpoint(request: Request) -> Response:
+        return await handle("profile", request, profile)
+
     async def chat_endpoint(request: Request) -> Response:
         return await handle("chat", request, chat)
 
@@ -347,6 +364,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
         Route("/v1/models", guarded_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/start_profile", profile_endpoint, methods=["POST"]),
+        Route("/stop_profile", profile_endpoint, methods=["POST"]),
     ]
     middleware = []
     if settings.cors_origins:

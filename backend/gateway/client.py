@@ -10,7 +10,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.triton.contract import INVALID_REQUEST
+from backend.triton.contract import ADMIN_PARAMETER, INVALID_REQUEST
 
 
 class TritonUnavailable(RuntimeError):
@@ -82,10 +82,7 @@ class TritonClient:
             async for result, error in responses:
                 if error is not None:
                     done = True
-                    message = error.message()
-                    if message.startswith(INVALID_REQUEST):
-                        raise InvalidRequest(message[len(INVALID_REQUEST):])
-                    raise RuntimeError(message)
+                    raise _request_error(error)
                 chunk = _chunk(result)
                 if chunk.final:
                     done = True
@@ -93,11 +90,38 @@ class TritonClient:
                 if done:
                     return
         except (InferenceServerException, grpc.RpcError) as e:  # transport failures, not request errors
-            detail = e.message() if isinstance(e, InferenceServerException) else e.details()
-            raise TritonUnavailable(f"Triton at {self.url} is unreachable: {detail}") from e
+            raise self._unavailable(e) from e
         finally:
             if not done:  # the client went away: cancel, so the engine aborts and frees the request's blocks
                 responses.cancel()
+
+
+    async def admin(self, action: str) -> dict:
+        """An engine admin action (backend/triton/contract.py ADMIN_ACTIONS); the model's JSON answer."""
+        async def requests():
+            yield {"model_name": self.model, "inputs": [infer_input("text_input", b"")],
+                   "parameters": {ADMIN_PARAMETER: action}}
+
+        try:
+            async for result, error in self._client.stream_infer(inputs_iterator=requests()):
+                if error is not None:
+                    raise _request_error(error)
+                return json.loads(result.as_numpy("text_output")[0])
+        except (InferenceServerException, grpc.RpcError) as e:
+            raise self._unavailable(e) from e
+        raise RuntimeError("Triton closed the stream without a response")
+
+    def _unavailable(self, e: InferenceServerException | grpc.RpcError) -> TritonUnavailable:
+        detail = e.message() if isinstance(e, InferenceServerException) else e.details()
+        return TritonUnavailable(f"Triton at {self.url} is unreachable: {detail}")
+
+
+def _request_error(error: InferenceServerException) -> Exception:
+    """A request's error response: InvalidRequest for content the engine rejected, else RuntimeError."""
+    message = error.message()
+    if message.startswith(INVALID_REQUEST):
+        return InvalidRequest(message[len(INVALID_REQUEST):])
+    return RuntimeError(message)
 
 
 def _chunk(result) -> Chunk:

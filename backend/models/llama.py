@@ -14,6 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from kernels import AttentionMetadata
+from kernels.timing import scope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -61,7 +62,8 @@ class Linear(nn.Linear):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        with scope("matmul"):
+            return self.ops.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
         """Swap the loaded weight for the kernels' preferred layout (inference only; weights are final)."""
@@ -211,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_weight = self.ops.pack_linear_weight(head.data)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_weight is not None:
-            return self.ops.linear(hidden, self.lm_head_weight)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        with scope("matmul"):
+            if self.lm_head_weight is not None:
+                return self.ops.linear(hidden, self.lm_head_weight)
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            return F.linear(hidden, weight)

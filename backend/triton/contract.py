@@ -15,6 +15,11 @@ from backend.engine.request import RequestOutput, SamplingParams
 # Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
 INVALID_REQUEST = "invalid request: "
 
+# A request whose Triton request parameters carry this key is an engine admin action, not a generation.
+# The gateway's POST /start_profile and /stop_profile send it (vLLM's routes of the same names).
+ADMIN_PARAMETER = "npu_llm_admin"
+ADMIN_ACTIONS = ("start_profile", "stop_profile")
+
 FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
          "return_num_input_tokens", "return_num_output_tokens")
 
@@ -34,6 +39,18 @@ class ParsedRequest:
 
 def _scalar(value: np.ndarray | None):
     return None if value is None else value.reshape(-1)[0]
+
+
+def admin_action(request_parameters: str | None) -> str | None:
+    """The admin action a request asks for, or None for an ordinary generation request."""
+    try:
+        values = json.loads(request_parameters or "{}")
+    except json.JSONDecodeError:
+        return None  # parse_request names the problem
+    action = values.get(ADMIN_PARAMETER) if isinstance(values, dict) else None
+    if action is not None and action not in ADMIN_ACTIONS:
+        raise ValueError(f"{ADMIN_PARAMETER} must be one of {', '.join(ADMIN_ACTIONS)}; got {action!r}")
+    return action
 
 
 def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str | None) -> ParsedRequest:

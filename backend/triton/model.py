@@ -21,7 +21,14 @@ import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
-from backend.triton.contract import FLAGS, INVALID_REQUEST, ParsedRequest, parse_request, response_tensors
+from backend.triton.contract import (
+    FLAGS,
+    INVALID_REQUEST,
+    ParsedRequest,
+    admin_action,
+    parse_request,
+    response_tensors,
+)
 from backend.triton.metrics import RequestRecord, VllmMetrics
 
 INPUTS = ("text_input", "stream", "sampling_parameters") + FLAGS
@@ -80,6 +87,14 @@ class TritonPythonModel:
     async def _serve(self, request) -> None:
         sender = _Sender(request.get_response_sender())
         try:
+            action = admin_action(request.parameters())
+        except ValueError as e:
+            self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
+            return
+        if action is not None:
+            await self._admin(action, sender)
+            return
+        try:
             inputs = {}
             for name in INPUTS:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -112,6 +127,21 @@ class TritonPythonModel:
         if not parsed.stream:
             self._queue_response(sender, response_tensors(parsed, output, sent_tokens), True)
         self._record(output)
+
+    async def _admin(self, action: str, sender: _Sender) -> None:
+        """start_profile / stop_profile; the answer is one JSON text_output."""
+        try:
+            if action == "start_profile":
+                await self.engine.start_profile()
+                result = {"profiling": True}
+            else:
+                profile = await self.engine.stop_profile()
+                result = {"profiling": False, **profile.to_dict(), "table": profile.table()}
+        except (ValueError, RuntimeError) as e:  # profiling off, or not in the state the action needs
+            self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
+            return
+        self.logger.log_info(f"[npu-llm] {action} done")
+        self._queue_response(sender, {"text_output": np.array([json.dumps(result).encode()], dtype=np.object_)}, True)
 
     def _record(self, output) -> None:
         if self.metrics is None or output is None:

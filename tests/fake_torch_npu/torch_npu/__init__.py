@@ -20,6 +20,7 @@ from kernels import torch_ref
 from kernels.metadata import AttentionMetadata
 
 from . import _graphs
+from . import profiler
 
 backing_device_type = "cpu"
 __version__ = ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0.post1"  # built for this torch
