@@ -13,4 +13,5 @@ from kernels.torch_ref import (  # noqa: F401
     reshape_and_cache,
     rms_norm,
     rotary_embedding,
+    silu_and_mul,
 )

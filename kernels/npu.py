@@ -14,7 +14,7 @@ import torch_npu
 
 from kernels.metadata import AttentionMetadata
 from kernels.timing import scope
-from kernels.torch_ref import linear, pack_linear_weight  # noqa: F401  (matmuls: plain torch on the NPU)
+from kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
 
 BLOCK_SIZE = 128
 # Masked value per dtype, as vllm-ascend builds its masks (attention.py generate_attn_mask /

@@ -143,6 +143,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(summed, weight, eps), summed
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: x [.., 2I] holds gate and up side by side; silu(gate) * up [.., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
     """Neox-style rotary embedding of query [T, Hq, D] and key [T, Hkv, D].
 

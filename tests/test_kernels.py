@@ -143,3 +143,31 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows):
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)
     assert cpu.pack_linear_weight(weight.float()) is not None and not cpu.pack_linear_weight(weight.float()).is_mkldnn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fused_elementwise_ops_match_torch_ref(dtype):
+    """csrc/fused_ops_cpu.cpp against torch_ref: fp32 to rounding, bf16 to a bf16 rounding or two (the fused
+    ops round once where torch_ref rounds after each op)."""
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(37, 96, dtype=dtype), torch.randn(37, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), torch_ref.rms_norm(x, weight, 1e-5), **tol)
+    for ours, ref in zip(cpu.add_rms_norm(x, residual, weight, 1e-6), torch_ref.add_rms_norm(x, residual, weight, 1e-6)):
+        torch.testing.assert_close(ours, ref, **tol)
+
+    # q and k as the model has them: views into one fused QKV row per token
+    qkv = torch.randn(11, (4 + 2 + 2) * 32, dtype=dtype)
+    q, k, _ = qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)
+    q, k = q.view(11, 4, 32), k.view(11, 2, 32)
+    cache = torch.randn(300, 32).to(dtype)
+    positions = torch.tensor([0, 1, 2, 299, 5, 6, 7, 100, 9, 10, 11])
+    for ours, ref in zip(cpu.rotary_embedding(positions, q, k, cache), torch_ref.rotary_embedding(positions, q, k, cache)):
+        torch.testing.assert_close(ours, ref, **tol)
+
+
+
+def test_cpu_rotary_refuses_positions_outside_its_table():
+    q, k = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
+    with pytest.raises(RuntimeError, match="outside cos_sin_cache"):
+        cpu.rotary_embedding(torch.tensor([0, 300]), q, k, torch.randn(300, 32))

@@ -133,11 +133,13 @@ class LLMEngine:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """All one-time work before the first request: the first prefill and decode step build the
-        kernels (the CPU attention extension compiles on first use) and the matmul primitives."""
+        kernels (the CPU extension compiles on first use) and the matmul primitives; the first sample
+        and the first tokenizer call load their code too."""
         start = time.perf_counter()
         logits = self.runner.warm_up(min(self.config.max_num_batched_tokens, self.config.max_model_len - 1))
         probe = Request("warm-up", [0], SamplingParams(temperature=1.0, top_p=0.9, seed=0), 1, self.eos_token_ids)
         sample(logits[:1], [probe])
+        self.tokenizer.decode(self.tokenizer.encode("warm-up"))
         log.info("warm-up took %.1f s", time.perf_counter() - start)
 
     def _blocks_that_fit(self) -> int:
@@ -239,6 +241,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of the requests that changed."""
+        start = time.perf_counter()
         with scope("step"):
             outputs, self._aborted = self._aborted, []
             with scope("schedule"):
@@ -247,7 +250,8 @@ class LLMEngine:
                 outputs += self._run(scheduled)
         if scheduled and self.profiler is not None and self.profiler.active:
             decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
-            self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens)
+            self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
+                                    time.perf_counter() - start)
         return outputs
 
     def _run(self, scheduled) -> list[RequestOutput]:

@@ -141,10 +141,13 @@ class Profiler:
         self._start = time.perf_counter()
         log.info("profiling started; trace and table go to %s", self.out_dir)
 
-    def step_done(self, num_prefill_tokens: int, num_decode_tokens: int) -> None:
-        """Called by the engine after each step it ran while a capture is on."""
+    def step_done(self, num_prefill_tokens: int, num_decode_tokens: int, seconds: float) -> None:
+        """Called by the engine after each step it ran while a capture is on, with the step's wall time:
+        what no scope covered (the scopes' own entry and exit among it) counts as the step's bookkeeping."""
         kind = ("mixed" if num_decode_tokens else "prefill-only") if num_prefill_tokens else "decode-only"
-        self._steps.append(StepRecord(kind, num_prefill_tokens, num_decode_tokens, self._recorder.take()))
+        scopes = self._recorder.take()
+        scopes["step"] = scopes.get("step", 0.0) + max(0.0, seconds - sum(scopes.values()))
+        self._steps.append(StepRecord(kind, num_prefill_tokens, num_decode_tokens, scopes))
 
     def stop(self) -> ProfileResult:
         if not self.active:

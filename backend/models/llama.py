@@ -123,10 +123,10 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, ops)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, ops)
+        self.ops = ops
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

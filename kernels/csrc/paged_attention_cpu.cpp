@@ -1,15 +1,12 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place from
 // the block-table cache ([num_blocks, block_size, num_kv_heads, head_dim]), no gather copy.
-// One task per (sequence, KV head) computes all query heads of that group, so each K/V row
-// is read from memory once. Semantics: kernels/torch_ref.py::_decode_attention.
-#include <torch/extension.h>
+// One task per sequence computes all its query heads: each K/V row is read from memory once, each
+// block front to back, the next blocks prefetched. Semantics: kernels/torch_ref.py::decode_attention.
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
-#include <vector>
 
 namespace {
 
@@ -43,33 +40,55 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Walks one sequence's tokens through its block table: for token t, its row of `cache` (one KV
-// head, already offset) is converted into `row` and fn(t) runs.
+// Blocks ahead of the one being read whose rows are prefetched. A sequence's blocks lie anywhere in
+// the cache, so the hardware prefetchers cannot guess them: without this a decode step waits on
+// memory latency (measured 2.2x slower on a cache far larger than L3; 2 or 4 blocks ahead did no better).
+constexpr int64_t PREFETCH_BLOCKS = 1;
+
+// Walks one sequence's tokens through its block table: for token t and KV head h, that head's row
+// of `cache` is converted into `row` and fn(t, h) runs. A token's heads sit side by side, so each
+// block is read front to back.
 template <int HD, typename T, typename Fn>
-inline void for_each_row(const T* cache, const int32_t* table, int64_t ctx, int64_t block_size, int64_t token_stride,
+inline void for_each_row(const T* cache, const int32_t* table, int64_t ctx, int64_t block_size, int64_t num_kv_heads,
                          int64_t runtime_dim, float* row, Fn&& fn) {
   const int64_t head_dim = HD ? HD : runtime_dim;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0, t = 0; t < ctx; ++b) {
-    const T* r = cache + static_cast<int64_t>(table[b]) * block_size * token_stride;
+    const T* r = cache + static_cast<int64_t>(table[b]) * block_stride;
+    const char* ahead = b + PREFETCH_BLOCKS < num_blocks
+                            ? reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b + PREFETCH_BLOCKS]) *
+                                                                        block_stride)
+                            : nullptr;
     const int64_t n = std::min(block_size, ctx - t);
     for (int64_t o = 0; o < n; ++o, ++t, r += token_stride) {
+      if (ahead != nullptr)
+        for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + o * row_bytes + line);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const T* head_row = r + h * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) row[d] = load(r, d);
-      fn(t);
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = load(head_row, d);
+        fn(t, h);
+      }
     }
   }
 }
 
-// One (sequence, KV head) task. HD is the head dim when known at compile time (0: runtime),
-// which lets the compiler keep a whole K/V row in vector registers.
+// One sequence, all its heads. HD is the head dim when known at compile time (0: runtime), which
+// lets the compiler keep a whole K/V row in vector registers. q and acc are [num_heads, head_dim],
+// scores [num_heads, ctx]; query heads h * group ... (h + 1) * group - 1 attend with KV head h.
 template <typename T, int HD>
-void attend_one(const float* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t ctx,
-                int64_t group, int64_t runtime_dim, int64_t block_size, int64_t token_stride, float* scores, float* acc) {
+void attend_sequence(const float* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t ctx,
+                     int64_t num_kv_heads, int64_t group, int64_t runtime_dim, int64_t block_size, float* scores,
+                     float* acc) {
   const int64_t head_dim = HD ? HD : runtime_dim;
+  const int64_t num_heads = num_kv_heads * group;
   float row[HD ? HD : 512];
 
-  for_each_row<HD>(key_cache, table, ctx, block_size, token_stride, head_dim, row, [&](int64_t t) {
-    for (int64_t g = 0; g < group; ++g) {
+  for_each_row<HD>(key_cache, table, ctx, block_size, num_kv_heads, head_dim, row, [&](int64_t t, int64_t h) {
+    for (int64_t g = h * group; g < (h + 1) * group; ++g) {
       const float* qg = q + g * head_dim;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -77,7 +96,7 @@ void attend_one(const float* q, const T* key_cache, const T* value_cache, const 
       scores[g * ctx + t] = s;
     }
   });
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < num_heads; ++g) {
     float* s = scores + g * ctx;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < ctx; ++t) m = std::max(m, s[t]);
@@ -91,9 +110,9 @@ void attend_one(const float* q, const T* key_cache, const T* value_cache, const 
 #pragma omp simd
     for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
-  std::fill(acc, acc + group * head_dim, 0.f);
-  for_each_row<HD>(value_cache, table, ctx, block_size, token_stride, head_dim, row, [&](int64_t t) {
-    for (int64_t g = 0; g < group; ++g) {
+  std::fill(acc, acc + num_heads * head_dim, 0.f);
+  for_each_row<HD>(value_cache, table, ctx, block_size, num_kv_heads, head_dim, row, [&](int64_t t, int64_t h) {
+    for (int64_t g = h * group; g < (h + 1) * group; ++g) {
       const float w = scores[g * ctx + t];
       float* a = acc + g * head_dim;
 #pragma omp simd
@@ -107,26 +126,25 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
                       const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the cache
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(num_heads * head_dim), acc(num_heads * head_dim), scores;
+    for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t ctx = context_lens[seq];
-      const T* q_in = query + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = load(q_in, i) * scale;
-      scores.resize(group * ctx);
+      const T* q_in = query + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = load(q_in, i) * scale;
+      scores.resize(num_heads * ctx);
       const int32_t* table = block_tables + seq * max_blocks;
-      const T* k = key_cache + kv_head * head_dim;
-      const T* v = value_cache + kv_head * head_dim;
       if (head_dim == 64)
-        attend_one<T, 64>(q.data(), k, v, table, ctx, group, head_dim, block_size, token_stride, scores.data(), acc.data());
+        attend_sequence<T, 64>(q.data(), key_cache, value_cache, table, ctx, num_kv_heads, group, head_dim, block_size,
+                               scores.data(), acc.data());
       else if (head_dim == 128)
-        attend_one<T, 128>(q.data(), k, v, table, ctx, group, head_dim, block_size, token_stride, scores.data(), acc.data());
+        attend_sequence<T, 128>(q.data(), key_cache, value_cache, table, ctx, num_kv_heads, group, head_dim,
+                                block_size, scores.data(), acc.data());
       else
-        attend_one<T, 0>(q.data(), k, v, table, ctx, group, head_dim, block_size, token_stride, scores.data(), acc.data());
-      T* o = out + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
+        attend_sequence<T, 0>(q.data(), key_cache, value_cache, table, ctx, num_kv_heads, group, head_dim, block_size,
+                              scores.data(), acc.data());
+      T* o = out + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
 }
@@ -155,8 +173,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 }

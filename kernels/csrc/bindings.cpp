@@ -1,0 +1,9 @@
+// The Python module of the CPU extension (see ops.h).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, fused");
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, fused; returns (normed, summed)");
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key; returns new tensors");
+}
