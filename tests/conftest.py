@@ -136,7 +136,8 @@ TRITON_ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 512, "max_num_seqs": 
 
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, default_model_dir):
-    """A real tritonserver serving model_repository (a run copy with TRITON_ENGINE_ARGS), once per session."""
+    """A real tritonserver serving model_repository (a run copy with TRITON_ENGINE_ARGS and a profile_dir),
+    once per session."""
     import shutil
 
     from backend.serve import start_server, stop_process_group, wait_ready
@@ -144,8 +145,9 @@ def triton_server(tmp_path_factory, default_model_dir):
 
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     ports = free_port(), free_port(), free_port()
+    engine_args = {**TRITON_ENGINE_ARGS, "profile_dir": str(tmp_path_factory.mktemp("profiles"))}
     with open(log_path, "w") as log:
-        process, work_dir = start_server(DEFAULT_REPOSITORY, TRITON_ENGINE_ARGS, *ports, log_file=log, new_session=True)
+        process, work_dir = start_server(DEFAULT_REPOSITORY, engine_args, *ports, log_file=log, new_session=True)
     server = TritonUnderTest(process, work_dir, log_path, *ports)
     try:
         wait_ready(ports[0], process, timeout=300)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -149,6 +150,21 @@ def test_bad_requests_get_openai_errors(gateway, path, body, headers, status, pa
     good = httpx.post(f"{gateway}/v1/chat/completions", json=GOOD_CHAT, timeout=60,
                       headers={"Authorization": f"Bearer {GATEWAY_API_KEY}"})
     assert good.status_code == 200
+
+
+def test_profile_routes_capture_a_served_run(gateway, client):
+    auth = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
+    assert httpx.post(f"{gateway}/start_profile", timeout=30).status_code == 401  # admin routes need the key
+    early = httpx.post(f"{gateway}/stop_profile", headers=auth, timeout=30)
+    assert early.status_code == 400 and "no profile capture" in early.json()["error"]["message"]
+    assert httpx.post(f"{gateway}/start_profile", headers=auth, timeout=30).json() == {"profiling": True}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+    stopped = httpx.post(f"{gateway}/stop_profile", headers=auth, timeout=120).json()
+    assert stopped["profiling"] is False and stopped["num_steps"] >= 8
+    assert Path(stopped["trace_path"]).is_file() and "decode attention" in stopped["table"]
+    assert stopped["breakdown"]["decode-only"]["steps"]["count"] >= 7
+    assert httpx.post(f"{gateway}/start_profile", headers=auth, timeout=30).status_code == 200  # and again
+    assert httpx.post(f"{gateway}/stop_profile", headers=auth, timeout=120).status_code == 200
 
 
 def test_gateway_metrics(gateway):

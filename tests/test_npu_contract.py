@@ -25,7 +25,7 @@ def fake_npu(monkeypatch):
     import kernels
 
     kernels.__dict__.pop("npu", None)
-    for name in ("torch_npu", "kernels.npu"):
+    for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + ["kernels.npu"]:
         sys.modules.pop(name, None)
     if hasattr(torch, "npu"):
         del torch.npu
@@ -202,3 +202,23 @@ def test_graph_mode_needs_the_paged_attention_workspace_api(fake_npu, monkeypatc
     monkeypatch.delattr(fake_npu, "_npu_paged_attention_get_workspace")  # torch_npu 2.5.1's op set
     with pytest.raises(RuntimeError, match="workspace.*enforce_eager=True"):
         LLM(device="npu", dtype="bfloat16", num_kv_blocks=8, max_num_seqs=1, max_model_len=256, enforce_eager=False)
+
+
+@pytest.mark.slow
+def test_profile_capture_on_npu_uses_torch_npu_profiler(fake_npu, tmp_path):
+    import json
+
+    from backend import LLM, SamplingParams
+
+    llm = LLM(device="npu", dtype="bfloat16", num_kv_blocks=8, max_num_seqs=2, profile_dir=str(tmp_path))
+    llm.start_profile()
+    llm.generate(["The capital of France is", "1, 2,"], SamplingParams(temperature=0, max_tokens=4))
+    result = llm.stop_profile()
+    # torch_npu's tensorboard_trace_handler layout: DIR/<worker>_<time>_ascend_pt/ASCEND_PROFILER_OUTPUT/trace_view.json
+    traces = list(tmp_path.glob("*_ascend_pt/ASCEND_PROFILER_OUTPUT/trace_view.json"))
+    assert [str(p) for p in traces] == [result.trace_path]
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert {"step", "matmul", "attention.prefill", "attention.decode"} <= names
+    breakdown = result.breakdown()
+    assert breakdown["decode-only"]["decode attention"]["ms_per_step"] > 0
+    assert breakdown["prefill-only"]["prefill attention"]["ms_per_step"] > 0

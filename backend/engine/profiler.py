@@ -95,15 +95,15 @@ class ProfileResult:
         breakdown = self.breakdown()
         kinds = [k for k in STEP_KINDS + ("all",) if k in breakdown]
         titles = [f"{kind} ({breakdown[kind]['steps']['count']} steps)" for kind in kinds]
-        head = f"{'':31}" + "".join(f"{title:>22}" for title in titles)
-        sub = f"{'':31}" + "".join(f"{'ms/step':>12}{'% wall':>10}" for _ in kinds)
+        head = f"{'':31}" + "".join(f"{title:>24}" for title in titles)
+        sub = f"{'':31}" + "".join(f"{'ms/step':>14}{'% wall':>10}" for _ in kinds)
         lines = [
             f"npu-llm profile: {len(self.steps)} steps in {self.wall_s:.2f} s wall; trace {self.trace_path}",
             head, sub,
         ]
         for row in list(ROWS) + ["step total"]:
             cells = "".join(
-                f"{breakdown[k][row]['ms_per_step']:>12.2f}{breakdown[k][row]['pct_wall']:>9.1f}%" for k in kinds
+                f"{breakdown[k][row]['ms_per_step']:>14.2f}{breakdown[k][row]['pct_wall']:>9.1f}%" for k in kinds
             )
             lines.append(f"{row:31}{cells}")
         return "\n".join(lines)
