@@ -11,6 +11,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.kv_cache import KVCacheManager
+from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.request import (
     CompletionOutput,
     Request,
@@ -19,7 +20,6 @@ from backend.engine.request import (
     SamplingParams,
 )
 from backend.engine.runner import ModelRunner, SequenceChunk
-from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.sampler import sample
 from backend.engine.scheduler import Scheduler
 from backend.engine.tokenizer import chat_prompt_ids, eos_token_ids, load_tokenizer
