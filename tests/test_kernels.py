@@ -138,6 +138,9 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows):
     if cpu.native_bf16():  # bf16 GEMM from packed weights: bit-identical
         assert packed.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
+    elif rows < cpu.FEW_ROWS:  # a single row streams the bf16 twin of the fp32 packing: bit-identical
+        assert packed.dtype == torch.float32 and packed.few_rows.dtype == torch.bfloat16
+        torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
     else:  # fp32 GEMM from fp32-packed weights, rounded to bf16 once: fp32's result to within one bf16 rounding
         assert packed.dtype == torch.float32
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
