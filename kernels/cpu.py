@@ -1,5 +1,6 @@
-"""CPU kernels: torch_ref, with decode attention done by a small C++ kernel (csrc/) when it builds,
-and bf16 matmuls from oneDNN-packed weights (computed in fp32 on CPUs without bf16 hardware).
+"""CPU kernels: torch_ref, with decode attention, RMSNorm (with its residual add) and rotary done by a
+small C++ extension (csrc/) when it builds, and bf16 matmuls from oneDNN-packed weights (computed in
+fp32 on CPUs without bf16 hardware).
 
 Decode attention is where the portable version spends its time on a CPU: it gathers every
 sequence's K/V into a padded copy before attending. The C++ kernel reads K/V in place through
