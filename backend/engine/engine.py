@@ -223,15 +223,16 @@ class LLMEngine:
 
     def start_profile(self) -> None:
         """Start a capture (trace + step breakdown) into config.profile_dir; see backend/engine/profiler.py."""
-        if self.profiler is None:
-            raise ValueError("profiling is off: set the profile_dir engine argument to the directory for traces")
-        self.profiler.start()
+        self._configured_profiler().start()
 
     def stop_profile(self) -> ProfileResult:
         """End the capture: writes the trace and the breakdown table, and returns them."""
+        return self._configured_profiler().stop()
+
+    def _configured_profiler(self) -> Profiler:
         if self.profiler is None:
             raise ValueError("profiling is off: set the profile_dir engine argument to the directory for traces")
-        return self.profiler.stop()
+        return self.profiler
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._aborted)
