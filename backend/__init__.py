@@ -6,10 +6,14 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig"]
 
 def __getattr__(name):
     # Lazy, so `import backend.platform` (or the Triton stub) does not pay for torch + transformers.
-    if name in ("LLM", "LLMEngine"):
-        from backend.engine import engine
+    if name == "LLM":
+        from backend.engine.llm import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "LLMEngine":
+        from backend.engine.engine import LLMEngine
+
+        return LLMEngine
     if name == "SamplingParams":
         from backend.engine.request import SamplingParams
 

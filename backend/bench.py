@@ -9,7 +9,7 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.engine.engine import LLM
+from backend.engine.llm import LLM
 from backend.engine.request import SamplingParams
 
 

@@ -6,6 +6,9 @@ import logging
 import sys
 
 from backend.config import EngineConfig
+from backend.models.registry import DEFAULT_MODEL
+
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -50,7 +53,9 @@ def _cmd_gateway(args) -> int:
         cors_origins=args.cors_origin or [],
         max_body_bytes=args.max_body_bytes,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower())
+    # On SIGTERM, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cancelled (which cancels them in Triton).
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return 0
 
 
@@ -113,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC address")
     gateway.add_argument("--triton-model", default="llm")
     gateway.add_argument("--served-model-name", default=None, help="the model name clients use (default: --tokenizer)")
-    gateway.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer (chat template) of the model")
+    gateway.add_argument("--tokenizer", default=DEFAULT_MODEL, help="tokenizer (chat template) of the model")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=9000)
     gateway.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env NPU_LLM_API_KEY)")
@@ -124,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui = commands.add_parser("ui", help="Gradio chat UI (a client of the gateway)")
     ui.add_argument("--gateway-url", default="http://127.0.0.1:9000")
     ui.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
-    ui.add_argument("--api-key", default=None, help="the gateway's API key, if it has one")
+    ui.add_argument("--api-key", default=None, help="the gateway's API key, if it has one (or env NPU_LLM_API_KEY)")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=7860)
     ui.set_defaults(func=_cmd_ui)
@@ -147,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.set_defaults(func=_cmd_loadtest)
 
     doctor = commands.add_parser("doctor", help="check the NPU/CUDA/Triton/model setup")
-    doctor.add_argument("--model", default="smollm2-135m-instruct")
+    doctor.add_argument("--model", default=DEFAULT_MODEL)
     doctor.set_defaults(func=_cmd_doctor)
 
     bench = commands.add_parser("bench", help="benchmarks")
@@ -166,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serving)
     serving.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     serving.add_argument("--gateway-port", type=int, default=9000)
-    serving.add_argument("--served-model", default="smollm2-135m-instruct")
+    serving.add_argument("--served-model", default=DEFAULT_MODEL)
     serving.add_argument("--num-prompts", type=int, default=8)
     serving.add_argument("--input-len", default="128")
     serving.add_argument("--output-len", type=int, default=64)

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +25,8 @@ from backend.triton.launcher import (
 )
 
 READY_TIMEOUT_S = 600
+# After SIGTERM or Ctrl-C: how long Triton gets to abort what is in flight and exit before it is killed.
+SHUTDOWN_GRACE_S = 12.0
 
 
 def parse_engine_args(pairs: list[str]) -> dict:
@@ -49,10 +52,11 @@ def check_port_free(port: int, name: str) -> None:
             raise LaunchError(f"{name} port {port} is already in use") from None
 
 
-def wait_http(url: str, process: subprocess.Popen, name: str, timeout: float = READY_TIMEOUT_S) -> None:
-    """Until `url` answers 200; fails early if the process serving it exits."""
+def wait_http(url: str, process: subprocess.Popen, name: str, timeout: float = READY_TIMEOUT_S,
+              stop: threading.Event | None = None) -> None:
+    """Until `url` answers 200 (or `stop` is set); fails early if the process serving it exits."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (stop and stop.is_set()):
         if process.poll() is not None:
             raise LaunchError(f"{name} exited with status {process.returncode} before it was ready (see its log above)")
         try:
@@ -62,28 +66,37 @@ def wait_http(url: str, process: subprocess.Popen, name: str, timeout: float = R
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
+    if stop and stop.is_set():
+        return
     raise LaunchError(f"{name} not ready after {timeout:.0f} s")
 
 
-def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> None:
-    wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready", process, "tritonserver", timeout)
+def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = READY_TIMEOUT_S,
+               stop: threading.Event | None = None, host: str = "127.0.0.1") -> None:
+    wait_http(f"http://{client_host(host)}:{http_port}/v2/health/ready", process, "tritonserver", timeout, stop)
+
+
+def client_host(host: str) -> str:
+    """Where to reach a server bound to host (a wildcard address is reachable on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port: int, metrics_port: int,
-                 extra: list[str] = (), log_file=None, new_session: bool = False) -> tuple[subprocess.Popen, Path]:
+                 extra: list[str] = (), log_file=None, new_session: bool = False,
+                 host: str = "127.0.0.1") -> tuple[subprocess.Popen, Path]:
     """Start tritonserver on a run copy of the repository (not waiting for it); returns the process and its work dir."""
     for port, name in ((http_port, "HTTP"), (grpc_port, "gRPC"), (metrics_port, "metrics")):
         check_port_free(port, name)
     work_dir = make_work_dir()
     server = find_tritonserver(work_dir)
     argv, env = server_command(server, run_copy(repository, work_dir, engine_args), http_port, grpc_port,
-                               metrics_port, list(extra))
+                               metrics_port, list(extra), host)
     process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=new_session)
     return process, work_dir
 
 
-def stop_process_group(process: subprocess.Popen, grace_s: float = 8.0) -> None:
+def stop_process_group(process: subprocess.Popen, grace_s: float = SHUTDOWN_GRACE_S) -> None:
     """SIGTERM, a grace period, then SIGKILL for whatever is left of the process's group (started with
     new_session=True), so children such as Triton's python stub never outlive it."""
     if process.poll() is None:
@@ -115,23 +128,25 @@ def checked_engine_args(args) -> tuple[Path, dict, EngineConfig]:
 def serve(args) -> int:
     repository, engine_args, config = checked_engine_args(args)
 
+    # Its own session, so that stopping it can take its python stub along (stop_process_group).
     process, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
-                                     args.triton_arg or [])
-    forward = lambda signum, _frame: process.send_signal(signum)  # noqa: E731
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+                                     args.triton_arg or [], new_session=True, host=args.triton_host)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        wait_ready(args.http_port, process)
-        print(f"npu-llm: Triton is ready ({config.model})\n"
-              f"  HTTP     http://localhost:{args.http_port}/v2/models/llm/generate_stream\n"
-              f"  gRPC     localhost:{args.grpc_port}\n"
-              f"  metrics  http://localhost:{args.metrics_port}/metrics", flush=True)
-        return process.wait()
-    except LaunchError:
-        process.terminate()
-        process.wait()
-        raise
+        wait_ready(args.http_port, process, stop=stop, host=args.triton_host)
+        if not stop.is_set():
+            shown = "localhost" if args.triton_host == "127.0.0.1" else args.triton_host
+            print(f"npu-llm: Triton is ready ({config.model})\n"
+                  f"  HTTP     http://{shown}:{args.http_port}/v2/models/llm/generate_stream\n"
+                  f"  gRPC     {shown}:{args.grpc_port}\n"
+                  f"  metrics  http://{shown}:{args.metrics_port}/metrics", flush=True)
+        while process.poll() is None and not stop.wait(0.5):
+            pass
+        return process.returncode if process.returncode is not None else 0
     finally:
+        stop_process_group(process)  # SIGTERM, SHUTDOWN_GRACE_S, then SIGKILL for whatever is left
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
@@ -141,6 +156,9 @@ def add_serve_args(parser) -> None:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--triton-host", default="127.0.0.1",
+                        help="address Triton's HTTP, gRPC and metrics ports listen on (0.0.0.0: every interface; "
+                             "Triton has no authentication, so open it only on a trusted network)")
     parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="override a model.json key")
     parser.add_argument("--triton-arg", action="append", metavar="ARG", help="extra tritonserver argument")
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 
-from backend.serve import checked_engine_args, start_server, stop_process_group, wait_http, wait_ready
+from backend.serve import checked_engine_args, client_host, start_server, stop_process_group, wait_http, wait_ready
 
 
 def _spawn(*args: str) -> subprocess.Popen:
@@ -28,18 +28,19 @@ def running_stack(args, with_ui: bool = True):
     work_dir = None
     try:
         triton, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
-                                        args.triton_arg or [], new_session=True)
+                                        args.triton_arg or [], new_session=True, host=args.triton_host)
         children.append(triton)
-        wait_ready(args.http_port, triton)
-        gateway = _spawn("gateway", "--triton-url", f"localhost:{args.grpc_port}", "--host", args.host,
+        wait_ready(args.http_port, triton, host=args.triton_host)
+        triton_host = client_host(args.triton_host)
+        gateway = _spawn("gateway", "--triton-url", f"{triton_host}:{args.grpc_port}", "--host", args.host,
                          "--port", str(args.gateway_port), "--tokenizer", config.model)
         children.append(gateway)
-        wait_http(f"http://127.0.0.1:{args.gateway_port}/health", gateway, "gateway", timeout=120)
+        wait_http(f"http://{client_host(args.host)}:{args.gateway_port}/health", gateway, "gateway", timeout=120)
         if with_ui:
             ui = _spawn("ui", "--gateway-url", f"http://127.0.0.1:{args.gateway_port}", "--host", args.host,
-                        "--metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics", "--port", str(args.ui_port))
+                        "--metrics-url", f"http://{triton_host}:{args.metrics_port}/metrics", "--port", str(args.ui_port))
             children.append(ui)
-            wait_http(f"http://127.0.0.1:{args.ui_port}/", ui, "ui", timeout=120)
+            wait_http(f"http://{client_host(args.host)}:{args.ui_port}/", ui, "ui", timeout=120)
         yield children, config
     finally:
         for child in reversed(children):

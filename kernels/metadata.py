@@ -14,6 +14,11 @@ import numpy as np
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of blocks of b that hold a items."""
+    return -(-a // b)
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence in this step

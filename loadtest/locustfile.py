@@ -21,6 +21,7 @@ grpc_gevent.init_gevent()
 from locust import HttpUser, User, constant, events, task  # noqa: E402
 
 from backend.gateway.client import infer_input  # noqa: E402
+from backend.models.registry import DEFAULT_MODEL  # noqa: E402
 from loadtest.prompts import PromptSource  # noqa: E402
 from loadtest.records import RequestRecord, Timer  # noqa: E402
 
@@ -34,8 +35,8 @@ def _arguments(parser):
     parser.add_argument("--prompt-len", default="128", help="prompt tokens: N or MIN:MAX")
     parser.add_argument("--max-tokens", default="64", help="output tokens: N or MIN:MAX (EOS ignored)")
     parser.add_argument("--dataset", default=None, help="JSONL of chat conversations instead of synthetic prompts")
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="the gateway's served model name")
-    parser.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer for synthetic prompts")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the gateway's served model name")
+    parser.add_argument("--tokenizer", default=DEFAULT_MODEL, help="tokenizer for synthetic prompts")
     parser.add_argument("--triton-model", default="llm")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--out-dir", default="loadtest-report", help="where the report goes")

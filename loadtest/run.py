@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from backend.models.registry import DEFAULT_MODEL
+
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 TARGETS = {  # target -> (user class, default host)
     "gateway": ("ChatSSEUser", "http://127.0.0.1:{gateway_port}"),
@@ -54,9 +56,9 @@ def add_loadtest_args(parser) -> None:
     parser.add_argument("--prompt-len", default="128", help="N or MIN:MAX prompt tokens (synthetic prompts)")
     parser.add_argument("--max-tokens", default="64", help="N or MIN:MAX output tokens (EOS ignored)")
     parser.add_argument("--dataset", default=None, help="JSONL of chat conversations")
-    parser.add_argument("--served-model", "--model-name", dest="served_model", default="smollm2-135m-instruct",
+    parser.add_argument("--served-model", "--model-name", dest="served_model", default=DEFAULT_MODEL,
                         help="the model name the gateway serves")
-    parser.add_argument("--tokenizer", default="smollm2-135m-instruct")
+    parser.add_argument("--tokenizer", default=DEFAULT_MODEL)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--start-stack", action="store_true",
                         help="start Triton and the gateway for the run, and stop them after")

@@ -166,20 +166,26 @@ def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None
     """`npu-llm gateway` as a real process; returns it once it answers HTTP."""
     import subprocess
     import sys
+    import time
 
-    from backend.serve import wait_http
+    import httpx
 
     argv = [sys.executable, "-m", "backend.cli", "gateway", "--triton-url", triton_grpc_url, "--port", str(port),
             "--max-body-bytes", "200000"]
     if api_key:
         argv += ["--api-key", api_key]
     process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/metrics", process, "gateway", timeout=120)
-    except Exception:
-        process.kill()
-        raise RuntimeError(f"gateway did not start: {open(log_path).read()[-3000:]}")
-    return process
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"gateway did not start: {open(log_path).read()[-3000:]}")
 
 
 @pytest.fixture(scope="session")

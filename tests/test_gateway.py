@@ -168,7 +168,8 @@ def test_profile_routes_capture_a_served_run(gateway, client):
 
 
 def test_gateway_metrics(gateway):
-    text = httpx.get(f"{gateway}/metrics").text
+    assert httpx.get(f"{gateway}/metrics").status_code == 401  # behind the API key, like every route but /health
+    text = httpx.get(f"{gateway}/metrics", headers={"Authorization": f"Bearer {GATEWAY_API_KEY}"}).text
     assert 'npu_llm_gateway_requests_total{endpoint="chat",status="200"}' in text
     assert "npu_llm_gateway_request_duration_seconds_bucket" in text
 

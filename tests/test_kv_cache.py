@@ -9,18 +9,20 @@ from hypothesis import strategies as st
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.request import Request, SamplingParams
 from backend.engine.scheduler import Scheduler
+from kernels.metadata import cdiv
 
 BLOCK_SIZE = 4
 PARAMS = SamplingParams(max_tokens=64)
 
 
 def _check_invariants(kv: KVCacheManager, scheduler: Scheduler) -> None:
-    holders = Counter(b for r in scheduler.running for b in r.block_ids)
+    holders = Counter(b for r in scheduler.running for b in kv.block_ids(r))
     for r in scheduler.running:
-        assert len(set(r.block_ids)) == len(r.block_ids), "a request holds one block twice"
-        assert len(r.block_ids) * BLOCK_SIZE >= r.num_computed_tokens
+        assert len(set(kv.block_ids(r))) == len(kv.block_ids(r)), "a request holds one block twice"
+        assert len(kv.block_ids(r)) * BLOCK_SIZE >= r.num_computed_tokens
     for r in scheduler.waiting:
-        assert not r.block_ids, "a waiting request holds blocks"
+        assert not kv.block_ids(r), "a waiting request holds blocks"
+    assert set(kv.tables) <= {r.request_id for r in scheduler.running}, "a block table outlived its request"
     for block in kv.blocks:
         assert block.ref_count >= 0
         assert block.ref_count == holders[block.block_id], f"block {block.block_id} ref count != its holders"
@@ -53,17 +55,14 @@ def test_blocks_are_never_lost_or_double_owned(ops, num_blocks, budget, caching)
             # prompts of one family share a prefix, so the prefix cache gets hits
             prompt = [a * 100 + i for i in range(b)]
             request = Request(str(n), prompt, PARAMS, max_tokens=8, eos_ids=())
-            if -(-(b + 8) // BLOCK_SIZE) <= num_blocks:  # the engine rejects what can never fit
+            if cdiv(b + 8, BLOCK_SIZE) <= num_blocks:  # the engine rejects what can never fit
                 scheduler.add(request)
                 live.append(request)
         elif op == "step":
             scheduled = scheduler.schedule()
-            sampling = [s.request for s in scheduled if s.wants_logits]
-            scheduler.advance(scheduled)
-            for request in sampling:
-                request.token_ids.append(7)
-                if request.num_output_tokens >= request.max_tokens:
-                    scheduler.remove(request)
+            sampled = {s.request.request_id: 7 for s in scheduled if s.wants_logits}
+            for request in scheduler.update_from_output(scheduled, sampled):
+                if request.finished:
                     live.remove(request)
         elif live:
             request = live.pop(a % len(live))
@@ -83,7 +82,7 @@ def test_prefix_hit_is_verified_against_token_ids():
     first.num_computed_tokens = 5
     kv.cache_full_blocks(first)
     # forge a hash collision: same hash registered, different tokens
-    block = kv.blocks[first.block_ids[0]]
+    block = kv.blocks[kv.block_ids(first)[0]]
     block.token_ids = (9, 9, 9, 9)
     second = Request("b", [1, 2, 3, 4, 6], PARAMS, 4, ())
     assert kv.find_cached_prefix(second) == []
@@ -95,7 +94,7 @@ def test_freed_cached_blocks_are_reused_until_evicted():
     kv.allocate(first, 5)
     first.num_computed_tokens = 5
     kv.cache_full_blocks(first)
-    cached_block = first.block_ids[0]
+    cached_block = kv.block_ids(first)[0]
     kv.free(first)
     again = Request("b", [1, 2, 3, 4, 9], PARAMS, 4, ())
     assert kv.find_cached_prefix(again) == [cached_block]

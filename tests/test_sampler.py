@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from backend.engine.request import Request, SamplingParams
@@ -17,18 +18,22 @@ def _request(prompt=(1, 2, 3), output=(), **params):
     return r
 
 
+def _tokens(logits: torch.Tensor, requests) -> list[int]:
+    return [s.token_id for s in sample(logits, requests)]
+
+
 def _logits(rows: int = 1) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
 
 
 def _draws(logits: torch.Tensor, n: int = 300, **params) -> set[int]:
-    return {sample(logits.clone(), [_request(**params)]).token_ids[0] for _ in range(n)}
+    return {sample(logits, [_request(**params)])[0].token_id for _ in range(n)}
 
 
 def test_greedy_is_argmax():
     logits = _logits(3)
     requests = [_request(temperature=0) for _ in range(3)]
-    assert sample(logits.clone(), requests).token_ids == logits.argmax(-1).tolist()
+    assert _tokens(logits.clone(), requests) == logits.argmax(-1).tolist()
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -49,11 +54,11 @@ def test_top_k_top_p_min_p_restrict_the_support():
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
     logits = _logits(4)
-    alone = sample(logits[1:2].clone(), [_request(seed=7)]).token_ids[0]
+    alone = _tokens(logits[1:2], [_request(seed=7)])[0]
     batch = [_request(), _request(seed=7), _request(temperature=0), _request(seed=8)]
     for _ in range(3):
         batch[1] = _request(seed=7)
-        assert sample(logits.clone(), batch).token_ids[1] == alone
+        assert _tokens(logits.clone(), batch)[1] == alone
 
 
 def test_penalties():
@@ -62,30 +67,62 @@ def test_penalties():
     logits[0, 6] = 0.9
     # token 5 was generated twice: frequency + presence push it below token 6
     r = _request(output=(5, 5), temperature=0, frequency_penalty=0.1, presence_penalty=0.05)
-    assert sample(logits.clone(), [r]).token_ids == [6]
+    assert _tokens(logits.clone(), [r]) == [6]
     # repetition penalty also covers the prompt: positive logits are divided
     prompt_hit = torch.zeros(1, VOCAB)
     prompt_hit[0, 2] = 1.0
     prompt_hit[0, 9] = 0.8
-    assert sample(prompt_hit.clone(), [_request(temperature=0, repetition_penalty=1.5)]).token_ids == [9]
-    assert sample(prompt_hit.clone(), [_request(temperature=0)]).token_ids == [2]
+    assert _tokens(prompt_hit.clone(), [_request(temperature=0, repetition_penalty=1.5)]) == [9]
+    assert _tokens(prompt_hit.clone(), [_request(temperature=0)]) == [2]
 
 
 def test_min_tokens_masks_eos():
     logits = torch.zeros(1, VOCAB)
     logits[0, 0] = 10.0  # eos
-    assert sample(logits.clone(), [_request(temperature=0, min_tokens=2)]).token_ids != [0]
-    assert sample(logits.clone(), [_request(temperature=0)]).token_ids == [0]
+    assert _tokens(logits.clone(), [_request(temperature=0, min_tokens=2)]) != [0]
+    assert _tokens(logits.clone(), [_request(temperature=0)]) == [0]
 
 
-def test_logprobs_are_of_the_sampled_distribution():
+def test_logprobs_are_raw_whatever_the_processing():
+    """vLLM v1's default: the model's log-softmax, before penalties, temperature and min_tokens masking."""
     logits = _logits()
-    out = sample(logits.clone(), [_request(temperature=0.5, seed=1, logprobs=3)])
-    entry = out.logprobs[0]
-    expected = torch.log_softmax(logits[0] / 0.5, -1)
-    top3 = expected.topk(3).indices.tolist()
-    token = out.token_ids[0]
-    assert set(top3) | {token} == set(entry)
-    for tid, lp in entry.items():
-        assert math.isclose(lp, expected[tid].item(), abs_tol=1e-5)
-    assert math.isclose(out.sampled_logprobs[0], expected[token].item(), abs_tol=1e-5)
+    expected = torch.log_softmax(logits[0], -1)
+    for params in (dict(temperature=0.5, seed=1), dict(temperature=0), dict(temperature=0, min_tokens=5),
+                   dict(temperature=0.8, seed=2, repetition_penalty=1.7, presence_penalty=1.0)):
+        [out] = sample(logits, [_request(output=(4, 4), logprobs=3, **params)])
+        top3 = expected.topk(3).indices.tolist()
+        assert set(top3) | {out.token_id} == set(out.logprobs), params
+        for tid, lp in out.logprobs.items():
+            assert math.isclose(lp, expected[tid].item(), abs_tol=1e-5), params
+        assert math.isclose(out.logprob, expected[out.token_id].item(), abs_tol=1e-5)
+
+
+def test_sampling_leaves_the_logits_as_they_were():
+    logits = _logits(2)
+    before = logits.clone()
+    sample(logits, [_request(temperature=0.7, seed=3, presence_penalty=1.0, output=(1,)), _request(min_tokens=3)])
+    assert torch.equal(logits, before)
+
+
+def test_top_k_above_the_vocabulary_is_off_and_above_int64_refused():
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="top_k"):
+        SamplingParams(top_k=2**63, top_p=0.9)
+    logits = _logits()
+    for seed in range(20):  # the same seeded draw as with top_k off, and no overflow on the way
+        huge = _tokens(logits, [_request(top_k=2**63 - 1, top_p=0.9, seed=seed)])
+        assert huge == _tokens(logits, [_request(top_k=-1, top_p=0.9, seed=seed)])
+
+
+def test_numbers_that_would_break_a_tensor_are_refused():
+    import pydantic
+
+    for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+                dict(repetition_penalty=float("inf")), dict(seed=2**63), dict(stop_token_ids=[-1]),
+                dict(stop_token_ids=[2**63]), dict(max_tokens=2**63), dict(n=0), dict(logprobs=21)):
+        with pytest.raises(pydantic.ValidationError):
+            SamplingParams(**bad)
+    # a tiny temperature is greedy, not a division that overflows to NaN
+    logits = _logits()
+    assert _tokens(logits, [_request(temperature=1e-30)]) == [int(logits.argmax())]

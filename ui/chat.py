@@ -6,6 +6,7 @@ from Triton's /metrics every few seconds.
 """
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 from collections import deque
@@ -191,6 +192,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
 
 def run_ui(args) -> int:
     """`npu-llm ui` (flags in backend/cli.py)."""
-    app = build_app(UISettings(args.gateway_url, args.metrics_url, args.api_key))
+    api_key = args.api_key or os.environ.get("NPU_LLM_API_KEY") or None  # the gateway's, read from the same variable
+    app = build_app(UISettings(args.gateway_url, args.metrics_url, api_key))
     app.queue().launch(server_name=args.host, server_port=args.port, show_error=False, quiet=True)
     return 0

@@ -3,7 +3,12 @@
 The engine is single-threaded by design: every call into it (add, abort, step) happens on
 the step thread, fed through a command queue. Outputs travel back to each caller's event
 loop with call_soon_threadsafe, so the step loop never waits on asyncio and asyncio never
-waits on a step.
+waits on a step. The step thread alone maps request ids to streams, in command order, so an
+abort of a finished request can never reach a newer request that reuses its id.
+
+A failure that belongs to requests ends those requests' streams with its error. Any other
+failure stops the engine for good (its state can no longer be trusted, as in vLLM): every
+stream ends with EngineDeadError, new requests get it at once, and on_dead is told.
 """
 from __future__ import annotations
 
@@ -12,11 +17,11 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from backend.config import EngineConfig
-from backend.engine.engine import EngineStats, LLMEngine, PromptType, StepError
+from backend.engine.engine import EngineStats, LLMEngine, PromptType
 from backend.engine.profiler import ProfileResult
 from backend.engine.request import RequestOutput, SamplingParams
 
@@ -24,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine's step thread has stopped: no request can run any more."""
 
 
 @dataclass
@@ -40,20 +45,24 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None):
+        """on_dead(error) is called (on the step thread) if that thread ever stops on an error."""
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._routes: dict[str, _Stream] = {}  # step thread only: request id -> the stream that reads it
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._stopping = False
+        self._lock = threading.Lock()  # a command is either queued before the thread dies, or refused
+        self.dead_error: BaseException | None = None
+        self._on_dead = on_dead
         self._thread = threading.Thread(target=self._run, name="npu-llm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, on_dead: Callable[[BaseException], None] | None = None) -> "AsyncEngine":
+        return cls(LLMEngine(config), on_dead)
 
     @property
     def tokenizer(self):
@@ -62,6 +71,11 @@ class AsyncEngine:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def is_running(self) -> bool:
+        """False once the engine is dead or shutting down: new requests fail at once."""
+        return self.dead_error is None and not self._stopping and self._thread.is_alive()
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (never waits for the engine)."""
@@ -72,18 +86,15 @@ class AsyncEngine:
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs as tokens arrive; the last has finished=True. Invalid requests raise ValueError here.
+        """Outputs as tokens arrive; the last has finished=True. Invalid requests raise ValueError here, a failure
+        of this request in the engine raises its error, and a dead engine raises EngineDeadError.
 
         Leaving the iteration early (break, cancellation, a closed connection) aborts the request.
         """
-        if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
+        self._check_accepting()
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, sampling_params))
+        self._send(("add", request_id, prompt, sampling_params, stream))
         finished = False
         try:
             while True:
@@ -96,9 +107,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            if not finished:  # abort it, unless its id already belongs to a newer request
+                self._send(("abort", request_id, stream), quiet=True)
 
     async def start_profile(self) -> None:
         await self._call(LLMEngine.start_profile)
@@ -108,58 +118,83 @@ class AsyncEngine:
 
     async def _call(self, method):
         """method(engine) on the step thread, between two steps; its result or exception comes back here."""
-        if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
+        self._check_accepting()
         future = asyncio.get_running_loop().create_future()
         self._send(("call", future, method))
         return await future
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its stream (if still read) ends with finish_reason "abort"."""
-        self._send(("abort", request_id))
+        self._send(("abort", request_id, None), quiet=True)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the step thread."""
         self._stopping = True
-        self._send(("stop",))
+        self._send(("stop",), quiet=True)
         self._thread.join(timeout)
 
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
+    def _check_accepting(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _send(self, command: tuple, quiet: bool = False) -> None:
+        with self._lock:
+            if self.dead_error is not None:
+                if quiet:
+                    return
+                raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+            self._commands.put(command)
         self._wakeup.set()
 
     # -- the step thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a failure no request owns: the engine's state can't be trusted any more
+            log.exception("the engine stopped")
+            self._die(e)
+
+    def _serve(self) -> None:
         engine = self.engine
-        while True:
-            if not self._drain_commands():
-                break
+        while self._drain_commands():
             if not engine.has_unfinished_requests():
+                self._stats = engine.stats()  # aborts change it too
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
-            try:
-                outputs = engine.step()
-            except StepError as e:
-                log.exception("engine step failed")
-                for request_id in e.request_ids:
-                    self._deliver(request_id, e)
-                outputs = []
-            except Exception as e:  # a bug outside the forward pass: fail everything, keep the thread alive
-                log.exception("engine step failed outside the model")
-                for request_id in list(engine.groups):
-                    engine.abort_request(request_id, emit_output=False)
-                    self._deliver(request_id, e)
-                outputs = []
-            for output in outputs:
+            for output in engine.step():
                 self._deliver(output.request_id, output)
+            for request_id, error in engine.take_failures().items():
+                self._deliver(request_id, error)
             self._stats = engine.stats()
-        for request_id in list(engine.groups):
-            engine.abort_request(request_id)
-        for output in engine.step():
-            self._deliver(output.request_id, output)
+        for request_id in list(engine.outputs.parents):
+            self._deliver(request_id, engine.abort_request(request_id, emit_output=False))
         self._stats = engine.stats()
+
+    def _die(self, error: BaseException) -> None:
+        with self._lock:
+            self.dead_error = error
+        dead = EngineDeadError(f"the engine has stopped: {error!r}")
+        for stream in self._routes.values():
+            stream.put(dead)
+        self._routes.clear()
+        while True:  # commands queued before the lock was taken
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                command[4].put(dead)
+            elif command[0] == "call":
+                self._settle(command[1], dead, failed=True)
+        if self._on_dead is not None:
+            try:
+                self._on_dead(error)
+            except Exception:
+                log.exception("on_dead callback failed")
 
     def _drain_commands(self) -> bool:
         while True:
@@ -167,28 +202,44 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
-            kind, request_id = command[0], command[1] if len(command) > 1 else None
+            kind = command[0]
             if kind == "stop":
                 return False
             if kind == "call":
                 self._answer(command[1], command[2])
-            if kind == "abort":
-                self.engine.abort_request(request_id)
+            elif kind == "abort":
+                self._abort(command[1], command[2])
             elif kind == "add":
-                try:
-                    self.engine.add_request(request_id, command[2], command[3])
-                except ValueError as e:
-                    self._deliver(request_id, e)
+                self._add(*command[1:])
+
+    def _add(self, request_id: str, prompt, params, stream: _Stream) -> None:
+        if request_id in self._routes:
+            stream.put(ValueError(f"request_id {request_id!r} is already in use"))
+            return
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as e:  # ValueError: a request that can never run
+            stream.put(e)
+            return
+        self._routes[request_id] = stream
+
+    def _abort(self, request_id: str, stream: _Stream | None) -> None:
+        route = self._routes.get(request_id)
+        if route is None or (stream is not None and route is not stream):
+            return  # finished already, or the id now names a newer request
+        self._deliver(request_id, self.engine.abort_request(request_id, emit_output=False))
 
     def _answer(self, future: asyncio.Future, method) -> None:
         try:
-            result, settle = method(self.engine), future.set_result
+            self._settle(future, method(self.engine), failed=False)
         except Exception as e:
-            result, settle = e, future.set_exception
+            self._settle(future, e, failed=True)
 
+    @staticmethod
+    def _settle(future: asyncio.Future, result, failed: bool) -> None:
         def resolve():
             if not future.done():
-                settle(result)
+                (future.set_exception if failed else future.set_result)(result)
 
         try:
             future.get_loop().call_soon_threadsafe(resolve)
@@ -196,6 +247,10 @@ class AsyncEngine:
             pass
 
     def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
+        """An output or an error for a request's stream; a final one (finished, or an error) ends the route."""
+        if item is None:
+            return
+        final = isinstance(item, BaseException) or item.finished
+        stream = self._routes.pop(request_id, None) if final else self._routes.get(request_id)
         if stream is not None:
             stream.put(item)

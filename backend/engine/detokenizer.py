@@ -28,8 +28,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one output token; returns the stop string if the text now contains one (text is cut there)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one output token; returns the stop string if the text now contains one (text is cut there).
+
+        With check_stop False (the output is not yet longer than min_tokens) stop strings are not looked for,
+        and the text stays whole: a later check only looks at text new since then (as vLLM's does).
+        """
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -39,6 +43,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += new_text
+        if not check_stop:
+            return None
         matches = [(at, stop) for stop in self.stop if (at := self.text.find(stop, start)) != -1]
         if not matches:
             return None

@@ -1,4 +1,10 @@
-"""LLMEngine (add_request / abort_request / step) and LLM, the offline API modelled on vLLM's."""
+"""LLMEngine: add_request / abort_request / step, as in vLLM.
+
+A step is schedule -> execute -> sample -> update. A failure is confined to the requests it
+belongs to: a forward pass that raises fails the requests in it, a sample, detokenize or
+stop check that raises fails its own request, and the rest of the batch goes on. Failed
+requests are aborted (their blocks freed) and reported by take_failures().
+"""
 from __future__ import annotations
 
 import itertools
@@ -9,24 +15,19 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import EngineConfig
-from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.kv_cache import KVCacheManager
+from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
-from backend.engine.request import (
-    CompletionOutput,
-    Request,
-    RequestMetrics,
-    RequestOutput,
-    SamplingParams,
-)
+from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.engine.runner import ModelRunner, SequenceChunk
-from backend.engine.sampler import sample
-from backend.engine.scheduler import Scheduler
-from backend.engine.tokenizer import chat_prompt_ids, eos_token_ids, load_tokenizer
+from backend.engine.sampler import SampledToken, sample
+from backend.engine.scheduler import ScheduledRequest, Scheduler
+from backend.engine.tokenizer import eos_token_ids, load_tokenizer
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
 from kernels import ops_for
+from kernels.metadata import cdiv
 from kernels.timing import scope
 
 log = logging.getLogger(__name__)
@@ -47,54 +48,6 @@ class EngineStats:
     num_steps: int
     kv_cache_waste: float  # allocated but unused slots / allocated, averaged over steps
     num_kv_blocks: int
-
-
-class StepError(RuntimeError):
-    """A forward pass failed; the requests in it were aborted (the others go on)."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException):
-        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
-        self.request_ids = request_ids
-
-
-class _Group:
-    """A user request: n sequences sharing one prompt (and, through the prefix cache, its blocks)."""
-
-    def __init__(self, request_id: str, prompt: str | None, children: list[Request], detokenizers):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.children = children
-        self.detokenizers = detokenizers
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.children)
-
-    def output(self) -> RequestOutput:
-        outputs = []
-        for index, (child, detok) in enumerate(zip(self.children, self.detokenizers)):
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=detok.text,
-                    delta=detok.take_delta(child.finished),
-                    token_ids=child.output_token_ids,
-                    finish_reason=child.finish_reason,
-                    stop_reason=child.stop_reason,
-                    cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                    logprobs=child.logprobs,
-                )
-            )
-        first = self.children[0]
-        first_times = [c.first_token_time for c in self.children if c.first_token_time]
-        finish_times = [c.finish_time for c in self.children if c.finish_time]
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_token_time=min(first_times) if first_times else None,
-            finish_time=max(finish_times) if self.finished and finish_times else None,
-            num_cached_tokens=first.num_cached_tokens,
-        )
-        return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, self.finished, metrics)
 
 
 class LLMEngine:
@@ -119,9 +72,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
-        self.groups: dict[str, _Group] = {}
-        self._owner: dict[int, tuple[_Group, int]] = {}  # id(child) -> its group and index
+        self.outputs = OutputProcessor(self.tokenizer)
         self._aborted: list[RequestOutput] = []
+        self._failures: dict[str, BaseException] = {}  # request id -> why it failed, until take_failures()
         self._ids = itertools.count()
         self._num_steps = self._num_computed = self._num_prompt = self._num_generated = 0
         self._waste_sum = 0.0
@@ -160,27 +113,45 @@ class LLMEngine:
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
             # A prompt rendered by a chat template carries its own BOS: don't add a second one.
             bos = self.tokenizer.bos_token
             special = not (bos and prompt.startswith(bos))
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=special) if prompt else []
-        return None, list(prompt)
+        return None, _token_ids(prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         """Queue a request; raises ValueError (naming the problem) for one that could never run."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.groups:
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self.outputs.parents or any(c in self.outputs.states for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
+        max_tokens = self._check_request(ids, params)
+        children = [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
+                    for i, cid in enumerate(child_ids)]
+        self.outputs.add(request_id, text, children)
+        for child in children:
+            self.scheduler.add(child)
+            self._num_prompt += len(ids)
+        return request_id
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> int:
+        """The limits that depend on the model and the engine; returns the resolved max_tokens."""
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n}: at most max_num_seqs={self.config.max_num_seqs} samples per request")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no room to generate")
@@ -189,35 +160,38 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})"
             )
-        if -(-(len(ids) + max_tokens) // self.config.block_size) > self.kv.num_blocks:
+        if cdiv(len(ids) + max_tokens, self.config.block_size) > self.kv.num_blocks:
             raise ValueError(f"prompt + max_tokens needs more KV blocks than the cache has ({self.kv.num_blocks})")
+        return max_tokens
 
-        children = [
-            Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", ids, params.for_child(i), max_tokens,
-                    self.eos_token_ids)
-            for i in range(params.n)
-        ]
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, c.params) for c in children]
-        group = _Group(request_id, text, children, detoks)
-        self.groups[request_id] = group
-        for index, child in enumerate(children):
-            self._owner[id(child)] = (group, index)
-            self.scheduler.add(child)
-            self._num_prompt += len(ids)
-        return request_id
-
-    def abort_request(self, request_id: str, emit_output: bool = True) -> None:
-        """Stop a request now and free its blocks; its final output (finish_reason "abort") comes from the next step."""
-        group = self.groups.pop(request_id, None)
-        if group is None:
-            return
-        for child in group.children:
-            if not child.finished:
-                self.scheduler.remove(child)
-                child.finish("abort")
-            self._owner.pop(id(child), None)
+    def abort_request(self, request_id: str, emit_output: bool = True) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final output (finish_reason "abort"), which the
+        next step also emits unless emit_output is False; None for an unknown or finished request."""
+        parent = self.outputs.pop(request_id)
+        if parent is None:
+            return None
+        for state in parent.states:
+            if not state.request.finished:
+                self.scheduler.finish(state.request, "abort")
+        output = parent.output()
         if emit_output:
-            self._aborted.append(group.output())
+            self._aborted.append(output)
+        return output
+
+    def take_failures(self) -> dict[str, BaseException]:
+        """Requests that failed since the last call (already aborted, blocks freed), with the error of each."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _fail_sequence(self, request: Request, error: BaseException) -> None:
+        """One sequence failed: its whole user request fails (once, however many of its sequences fail)."""
+        if request.request_id in self.outputs.states:
+            self._fail(self.outputs.parent_of(request).request_id, error)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        log.error("request %s failed: %r", request_id, error)
+        self.abort_request(request_id, emit_output=False)
+        self._failures[request_id] = error
 
     # -- profiling --------------------------------------------------------------------------------
 
@@ -235,96 +209,105 @@ class LLMEngine:
         return self.profiler
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups) or bool(self._aborted)
+        return bool(self.outputs.parents) or bool(self._aborted)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.outputs.parents)
 
     # -- the step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; outputs of the requests that changed."""
+        """Schedule, run the model once, sample, update; outputs of the requests that changed."""
         start = time.perf_counter()
+        outputs, self._aborted = self._aborted, []
         with scope("step"):
-            outputs, self._aborted = self._aborted, []
             with scope("schedule"):
                 scheduled = self.scheduler.schedule()
             if scheduled:
-                outputs += self._run(scheduled)
+                logits = self._execute(scheduled)
+                sampled = self._sample(scheduled, logits) if logits is not None else {}
+                advanced = self.scheduler.update_from_output(scheduled, {i: s.token_id for i, s in sampled.items()})
+                self._account(scheduled, len(advanced))
+                outputs += self._process_outputs(advanced, sampled)
         if scheduled and self.profiler is not None and self.profiler.active:
             decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
             self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
                                     time.perf_counter() - start)
         return outputs
 
-    def _run(self, scheduled) -> list[RequestOutput]:
-        outputs = []
+    def _execute(self, scheduled: list[ScheduledRequest]):
+        """The forward pass: logits for the rows that want them; None (their requests failed) if it raises."""
         chunks = [
             SequenceChunk(
                 s.request.token_ids[s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens],
                 s.request.num_computed_tokens,
-                s.request.block_ids,
+                self.kv.block_ids(s.request),
                 s.wants_logits,
             )
             for s in scheduled
         ]
         try:
-            logits = self.runner.execute(chunks)
+            return self.runner.execute(chunks)
         except Exception as e:
-            failed = list(dict.fromkeys(self._owner[id(s.request)][0].request_id for s in scheduled))
-            for request_id in failed:
-                self.abort_request(request_id, emit_output=False)
-            raise StepError(failed, e) from e
-        sampling = [s.request for s, chunk in zip(scheduled, chunks) if chunk.wants_logits]
-        self.scheduler.advance(scheduled)
-        self._account(scheduled)
+            log.exception("forward pass failed")
+            for parent_id in dict.fromkeys(self.outputs.parent_of(s.request).request_id for s in scheduled):
+                self._fail(parent_id, e)
+            return None
 
-        touched: dict[str, _Group] = {}
-        if sampling:
-            with scope("sample"):
-                result = sample(logits, sampling)
-            for row, request in enumerate(sampling):
-                self._append_token(request, result.token_ids[row], result.logprobs[row], result.sampled_logprobs[row])
-                group = self._owner[id(request)][0]
-                touched[group.request_id] = group
-        for group in touched.values():
-            with scope("detokenize"):  # the output takes each sequence's new text from its detokenizer
-                outputs.append(group.output())
-            if group.finished:
-                del self.groups[group.request_id]
-                for child in group.children:
-                    self._owner.pop(id(child), None)
+    def _sample(self, scheduled: list[ScheduledRequest], logits) -> dict[str, SampledToken]:
+        """Sequence request id -> its sampled token. If the batch fails, each row is sampled alone, and only the
+        rows that fail again fail their requests."""
+        requests = [s.request for s in scheduled if s.wants_logits]
+        if not requests:
+            return {}
+        with scope("sample"):
+            try:
+                return {r.request_id: token for r, token in zip(requests, sample(logits, requests))}
+            except Exception:
+                log.exception("sampling a batch failed; sampling its rows one by one")
+            sampled = {}
+            for row, request in enumerate(requests):
+                try:
+                    [sampled[request.request_id]] = sample(logits[row : row + 1], [request])
+                except Exception as e:
+                    self._fail_sequence(request, e)
+            return sampled
+
+    def _process_outputs(self, advanced: list[Request], sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+        """Detokenize and check stop strings for each sequence that got a token; one output per user request."""
+        touched = {}
+        for request in advanced:
+            if request.request_id not in self.outputs.states:
+                continue  # a sibling's failure ended its user request
+            parent = self.outputs.parent_of(request)
+            try:
+                stop_string = self.outputs.add_token(request, sampled[request.request_id])
+                if stop_string is not None:
+                    self.scheduler.finish(request, "stop", stop_string)
+                touched[parent.request_id] = parent
+            except Exception as e:
+                self._fail_sequence(request, e)
+        outputs = []
+        for parent in touched.values():
+            if parent.request_id not in self.outputs.parents:
+                continue  # failed meanwhile (a sibling's error)
+            try:
+                outputs.append(parent.output())
+            except Exception as e:
+                self._fail(parent.request_id, e)
+                continue
+            if parent.finished:
+                self.outputs.pop(parent.request_id)
         return outputs
 
-    def _append_token(self, request: Request, token: int, logprobs, sampled_logprob: float) -> None:
-        request.token_ids.append(token)
-        self._num_generated += 1
-        if request.first_token_time is None:
-            request.first_token_time = time.time()
-        if request.logprobs is not None:
-            request.logprobs.append(logprobs)
-            request.cumulative_logprob += sampled_logprob
-        group, index = self._owner[id(request)]
-        detok = group.detokenizers[index]
-        can_stop = request.num_output_tokens >= request.params.min_tokens
-        if can_stop and token in request.stop_token_ids:
-            if request.params.include_stop_str_in_output:
-                with scope("detokenize"):
-                    detok.add_token(token)
-            request.finish("stop", None if token in self.eos_token_ids and not request.params.ignore_eos else token)
-        else:
-            with scope("detokenize"):
-                stop_string = detok.add_token(token)
-            if can_stop and stop_string is not None:
-                request.finish("stop", stop_string)
-            elif request.num_output_tokens >= request.max_tokens or len(request.token_ids) >= self.config.max_model_len:
-                request.finish("length")
-        if request.finished:
-            self.scheduler.remove(request)
-
-    def _account(self, scheduled) -> None:
+    def _account(self, scheduled: list[ScheduledRequest], num_generated: int) -> None:
         self._num_steps += 1
         self._num_computed += sum(s.num_new_tokens for s in scheduled)
+        self._num_generated += num_generated
         running = self.scheduler.running
-        allocated = sum(len(r.block_ids) for r in running) * self.config.block_size
+        allocated = sum(len(self.kv.block_ids(r)) for r in running) * self.config.block_size
         used = sum(r.num_computed_tokens for r in running)
         self._waste_sum += 1 - used / allocated if allocated else 0.0
 
@@ -344,44 +327,11 @@ class LLMEngine:
         )
 
 
-class LLM:
-    """Offline batch generation: LLM(model=...).generate(prompts, SamplingParams(...))."""
-
-    def __init__(self, model: str | None = None, **engine_args):
-        if model is not None:
-            engine_args["model"] = model
-        self.engine = LLMEngine(EngineConfig(**engine_args))
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def start_profile(self) -> None:
-        self.engine.start_profile()
-
-    def stop_profile(self) -> ProfileResult:
-        return self.engine.stop_profile()
-
-    def generate(
-        self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams] | None = None
-    ) -> list[RequestOutput]:
-        """Outputs in input order. A prompt is a string, a list of token ids or {"prompt_token_ids": [...]}."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for output in self.engine.step():
-                if output.finished:
-                    done[output.request_id] = output
-        return [done[i] for i in ids]
-
-    def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
-    ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": chat_prompt_ids(self.engine.tokenizer, c)} for c in conversations]
-        return self.generate(prompts, sampling_params)
+def _token_ids(ids) -> list[int]:
+    """A prompt given as token ids: a list of ints, or a ValueError saying what it is instead."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt token ids must be a list of ints, got {type(ids).__name__}")
+    ids = list(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt token ids must be a list of ints")
+    return ids

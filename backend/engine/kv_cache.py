@@ -3,6 +3,7 @@
 A full block's hash chains its parent's hash with its own token ids, so equal hashes mean
 equal prefixes (a hit still compares token ids, to be safe from collisions). Freed blocks
 keep their hash and stay reusable until the free queue hands them out again (LRU).
+The manager owns every request's block table (as vLLM v1's KVCacheManager does).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from backend.engine.request import Request
+from kernels.metadata import cdiv
 
 
 @dataclass
@@ -29,6 +31,8 @@ class KVCacheManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evicted first
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.tables: dict[str, list[int]] = {}  # request id -> its block ids, in token order
+        self._registered: dict[str, int] = {}  # request id -> leading blocks already offered to the prefix cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -50,6 +54,10 @@ class KVCacheManager:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def block_ids(self, request: Request) -> list[int]:
+        """The request's block table (empty while it holds no blocks)."""
+        return self.tables.get(request.request_id, [])
 
     # -- prefix cache -----------------------------------------------------------------------------
 
@@ -90,14 +98,16 @@ class KVCacheManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         hashes = self.block_hashes(request, num_full)
-        for i in range(request.num_registered_blocks, num_full):
+        table = self.block_ids(request)
+        registered = self._registered.get(request.request_id, 0)
+        for i in range(registered, num_full):
             block_hash = hashes[i]
-            block = self.blocks[request.block_ids[i]]
+            block = self.blocks[table[i]]
             # a hit is cached already; an identical block computed meanwhile by another request stays the cached one
             if block.block_hash is None and block_hash not in self.cached:
                 block.block_hash, block.token_ids = block_hash, self._block_tokens(request, i)
                 self.cached[block_hash] = block.block_id
-        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+        self._registered[request.request_id] = max(registered, num_full)
 
     # -- allocation -------------------------------------------------------------------------------
 
@@ -107,31 +117,31 @@ class KVCacheManager:
         cached_block_ids (admission only) are prefix-cache hits that become the start of its table.
         """
         total = request.num_computed_tokens + num_new_tokens
-        needed = -(-total // self.block_size) - len(request.block_ids) - len(cached_block_ids)
+        needed = cdiv(total, self.block_size) - len(self.block_ids(request)) - len(cached_block_ids)
         # hits that sit in the free queue stop being free once taken
         reclaimed = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - reclaimed:
             return False
+        table = self.tables.setdefault(request.request_id, [])
         for block_id in cached_block_ids:
             self._take(block_id)
-        request.block_ids.extend(cached_block_ids)
+        table.extend(cached_block_ids)
         for _ in range(max(needed, 0)):
             block_id = next(iter(self.free_queue))
             self._evict(block_id)
             self._take(block_id)
-            request.block_ids.append(block_id)
+            table.append(block_id)
         return True
 
     def free(self, request: Request) -> None:
         """Return the request's blocks; its tail blocks queue for eviction before its head."""
-        for block_id in reversed(request.block_ids):
+        for block_id in reversed(self.tables.pop(request.request_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        request.block_ids = []
-        request.num_registered_blocks = 0
+        self._registered.pop(request.request_id, None)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -3,6 +3,8 @@
 Each seeded request draws its randomness from its own generator, so its samples do not
 depend on what else is in the batch. Sampling uses the exponential-race form of a
 categorical draw (argmax of p / Exp(1)), as vLLM does, which needs one uniform per token.
+Logprobs are raw: the model's log-softmax before penalties, temperature and filtering
+(vLLM v1's default logprobs_mode, "raw_logprobs").
 """
 from __future__ import annotations
 
@@ -14,23 +16,25 @@ from backend.engine.request import Request
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # per request: sampled token and top alternatives
-    sampled_logprobs: list[float]
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None = None  # when asked for: the sampled token and the top alternatives
+    logprob: float = 0.0  # the sampled token's (0.0 when logprobs were not asked for)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """logits [B, V] fp32, one row per request (modified in place)."""
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+    """logits [B, V] fp32, one row per request (left as they are). One SampledToken per request."""
     device = logits.device
     params = [r.params for r in requests]
+    wants_logprobs = any(p.logprobs is not None for p in params)
+    logprobs_all = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    logits = logits.clone()  # the caller may sample these rows again, one by one, if this batch fails
     _apply_min_tokens(logits, requests)
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
         _apply_penalties(logits, requests)
 
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
     logits.div_(temperature[:, None])
-    logprobs_all = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
 
     greedy = torch.tensor([p.greedy for p in params], device=device)
     tokens = logits.argmax(dim=-1)
@@ -39,9 +43,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         race = probs / _exponentials(probs, requests)
         tokens = torch.where(greedy, tokens, race.argmax(dim=-1))
 
-    token_list = tokens.tolist()
-    out_logprobs: list[dict[int, float] | None] = [None] * len(requests)
-    sampled: list[float] = [0.0] * len(requests)
+    sampled = [SampledToken(token) for token in tokens.tolist()]
     if logprobs_all is not None:
         chosen = logprobs_all.gather(1, tokens[:, None])[:, 0].tolist()
         k = max(p.logprobs or 0 for p in params)
@@ -49,12 +51,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         for row, p in enumerate(params):
             if p.logprobs is None:
                 continue
-            entry = {token_list[row]: chosen[row]}
+            entry = {sampled[row].token_id: chosen[row]}
             if p.logprobs:
                 for tid, lp in zip(top_ids[row, : p.logprobs].tolist(), top_values[row, : p.logprobs].tolist()):
                     entry.setdefault(tid, lp)
-            out_logprobs[row], sampled[row] = entry, chosen[row]
-    return SamplerOutput(token_list, out_logprobs, sampled)
+            sampled[row].logprobs, sampled[row].logprob = entry, chosen[row]
+    return sampled
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -88,7 +90,7 @@ def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """Softmax after top-k, top-p and min-p filtering (each only where some request asks for it)."""
     device = logits.device
-    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    top_k = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]
     top_p = [p.top_p for p in params]
     if any(k < logits.shape[1] for k in top_k) or any(p < 1 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)

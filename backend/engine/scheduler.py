@@ -2,6 +2,9 @@
 with its tokens under a per-step token budget and a sequence cap. Decodes and prefill chunks
 share a step; chunked prefill is just a budget smaller than the prompt. Out of blocks: the
 most recently admitted running request is preempted (blocks freed, recomputed later).
+
+After the forward pass, update_from_output moves each scheduled request on: its tokens are
+in the cache now, its sampled token is appended, and a stop token or its length finishes it.
 """
 from __future__ import annotations
 
@@ -35,9 +38,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and give its blocks back."""
@@ -108,8 +108,30 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def advance(self, scheduled: list[ScheduledRequest]) -> None:
-        """After the forward pass: the scheduled tokens are in the cache now."""
+    def update_from_output(self, scheduled: list[ScheduledRequest], sampled: dict[str, int]) -> list[Request]:
+        """After the forward pass: record the computed tokens, append each sampled token (sampled: request id ->
+        token), finish the requests that reached a stop token or their length. Returns the requests that got a
+        token. A request finished meanwhile (aborted because its sampling failed) is left as it is."""
+        advanced = []
         for item in scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(item.request)
+            request = item.request
+            if request.finished:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.can_stop and token in request.stop_token_ids:
+                self.finish(request, "stop", None if token in request.eos_token_ids and not request.params.ignore_eos
+                            else token)
+            elif request.num_output_tokens >= request.max_tokens:
+                self.finish(request, "length")
+            advanced.append(request)
+        return advanced
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request (stop, length or abort) and give its blocks back."""
+        request.finish(reason, stop_reason)
+        self.remove(request)

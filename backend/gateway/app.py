@@ -2,11 +2,12 @@
 
 Each request becomes one Triton gRPC stream. The first Triton response is awaited before
 answering, so a request the engine rejects gets a proper 4xx instead of a stream that fails;
-after that, errors travel as an SSE error event. A client that disconnects cancels the
-Triton stream, and with it the engine request and its KV blocks.
+after that, errors travel as an SSE error event. A client that disconnects, streaming or not,
+cancels the Triton stream, and with it the engine request and its KV blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -32,14 +33,15 @@ from backend.gateway.protocol import (
     now,
     usage,
 )
+from backend.models.registry import DEFAULT_MODEL
 
 
 @dataclass
 class GatewaySettings:
     triton_url: str = "localhost:8001"
     triton_model: str = "llm"
-    served_model_name: str = "smollm2-135m-instruct"
-    tokenizer: str = "smollm2-135m-instruct"
+    served_model_name: str = DEFAULT_MODEL
+    tokenizer: str = DEFAULT_MODEL
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = 1 << 20
@@ -76,6 +78,28 @@ def _is_union_branch(loc_part) -> bool:
     return isinstance(loc_part, str) and (
         loc_part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in loc_part or "-" in loc_part
     )
+
+
+async def until_disconnected(request: Request, work):
+    """Await `work` (a coroutine), cancelling it if the client disconnects first (ClientDisconnect then).
+
+    Only once the body has been read: the watcher takes the connection's next ASGI message.
+    """
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # the client left, or this handler itself was cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientDisconnect()
+    return task.result()
 
 
 def _load_tokenizer(name_or_path: str):
@@ -131,8 +155,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
                                 f"{settings.served_model_name!r}", "not_found_error", "model")
         return parsed
 
-    async def first_chunk(prompt: str, req, echo: bool, logprobs: bool, request_id: str):
-        stream = triton.generate(prompt, req.engine_parameters(), req.stream, echo, logprobs, request_id)
+    async def first_chunk(prompt: str, req, logprobs: bool, request_id: str, prompt_token_ids=None):
+        stream = triton.generate(prompt, req.engine_parameters(), req.stream, logprobs, request_id, prompt_token_ids)
         with triton_errors():
             try:
                 return await anext(stream), stream
@@ -173,8 +197,11 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # the template itself rejects the conversation (e.g. roles out of order)
             raise ApiError(400, f"messages: {e}", param="messages") from None
+        return await until_disconnected(request, answer_chat(req, prompt, start))
+
+    async def answer_chat(req: ChatCompletionRequest, prompt: str, start: float) -> Response:
         rid = completion_id("chatcmpl")
-        chunk, stream = await first_chunk(prompt, req, False, req.logprobs, rid)
+        chunk, stream = await first_chunk(prompt, req, req.logprobs, rid)
         metrics.ttft.labels("chat").observe(time.perf_counter() - start)
         if req.stream:
             return EventSourceResponse(_chat_events(req, rid, chunk, stream, start))
@@ -218,13 +245,20 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
 
     async def completions(request: Request, start: float) -> Response:
         req = validate(CompletionRequest, await read_body(request))
-        prompt = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(req.prompt)
+        return await until_disconnected(request, answer_completion(req, start))
+
+    async def answer_completion(req: CompletionRequest, start: float) -> Response:
+        # Token ids go to the engine as they are; their text is only for echo.
+        ids = None if isinstance(req.prompt, str) else req.prompt
+        prompt = req.prompt if ids is None else tokenizer.decode(ids)
         rid = completion_id("cmpl")
-        chunk, stream = await first_chunk(prompt, req, req.echo and not req.stream, req.logprobs is not None, rid)
+        chunk, stream = await first_chunk(prompt, req, req.logprobs is not None, rid, ids)
         metrics.ttft.labels("completions").observe(time.perf_counter() - start)
         if req.stream:
             return EventSourceResponse(_completion_events(req, rid, prompt, chunk, stream, start))
         texts, logprobs, reasons, n_in, n_out = await _gather(chunk, stream, req.n)
+        if req.echo:
+            texts = [prompt + t for t in texts]
         choices = [{"index": i, "text": texts[i], "logprobs": _completion_logprobs(logprobs[i]) if req.logprobs is not None
                     else None, "finish_reason": reasons[i]} for i in range(req.n)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": req.model,
@@ -335,12 +369,15 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def guarded_models(request: Request) -> Response:
-        try:
-            authorize(request)
-        except ApiError as e:
-            return e.response()
-        return await models(request)
+    def guarded(route):
+        """The route behind the API key (every route but /health has one, when a key is set)."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                authorize(request)
+            except ApiError as e:
+                return e.response()
+            return await route(request)
+        return endpoint
 
     async def profile(request: Request, start: float) -> Response:
         """POST /start_profile, /stop_profile (vLLM's admin routes): a capture in the engine, when it was
@@ -361,9 +398,9 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_endpoint, methods=["POST"]),
         Route("/v1/completions", completions_endpoint, methods=["POST"]),
-        Route("/v1/models", guarded_models, methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/metrics", guarded(prometheus), methods=["GET"]),
         Route("/start_profile", profile_endpoint, methods=["POST"]),
         Route("/stop_profile", profile_endpoint, methods=["POST"]),
     ]

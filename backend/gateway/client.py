@@ -10,7 +10,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.triton.contract import ADMIN_PARAMETER, INVALID_REQUEST
+from backend.triton.contract import ADMIN_PARAMETER, ENGINE_UNAVAILABLE, INVALID_REQUEST
 
 
 class TritonUnavailable(RuntimeError):
@@ -59,19 +59,24 @@ class TritonClient:
     async def close(self) -> None:
         await self._client.close()
 
-    async def generate(self, prompt: str, parameters: dict, stream: bool, echo: bool, logprobs: bool,
-                       request_id: str) -> AsyncIterator[Chunk]:
-        """Responses of one request; leaving the iteration early cancels it on the server."""
+    async def generate(self, prompt: str, parameters: dict, stream: bool, logprobs: bool, request_id: str,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[Chunk]:
+        """Responses of one request (the completion only, never the prompt); leaving the iteration early cancels
+        it on the server. With prompt_token_ids the engine gets those ids as they are, and `prompt` is their text."""
         inputs = [
             infer_input("text_input", prompt.encode()),
             infer_input("sampling_parameters", json.dumps(parameters).encode()),
             infer_input("stream", stream),
-            infer_input("exclude_input_in_output", not echo),
+            infer_input("exclude_input_in_output", True),
             infer_input("return_finish_reason", True),
             infer_input("return_num_input_tokens", True),
             infer_input("return_num_output_tokens", True),
             infer_input("return_logprobs", logprobs),
         ]
+        if prompt_token_ids is not None:
+            ids = grpcclient.InferInput("prompt_token_ids", [len(prompt_token_ids)], "INT64")
+            ids.set_data_from_numpy(np.array(prompt_token_ids, dtype=np.int64))
+            inputs.append(ids)
 
         async def requests():
             yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
@@ -95,7 +100,6 @@ class TritonClient:
             if not done:  # the client went away: cancel, so the engine aborts and frees the request's blocks
                 responses.cancel()
 
-
     async def admin(self, action: str) -> dict:
         """An engine admin action (backend/triton/contract.py ADMIN_ACTIONS); the model's JSON answer."""
         async def requests():
@@ -117,10 +121,13 @@ class TritonClient:
 
 
 def _request_error(error: InferenceServerException) -> Exception:
-    """A request's error response: InvalidRequest for content the engine rejected, else RuntimeError."""
+    """A request's error response: InvalidRequest for content the engine rejected, TritonUnavailable when the
+    engine (or the model) is not there to serve it, else RuntimeError."""
     message = error.message()
     if message.startswith(INVALID_REQUEST):
         return InvalidRequest(message[len(INVALID_REQUEST):])
+    if message.startswith(ENGINE_UNAVAILABLE) or "unknown model" in message or "no available versions" in message:
+        return TritonUnavailable(message)
     return RuntimeError(message)
 
 

@@ -7,10 +7,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from backend.engine.request import INT64_MAX, INT64_MIN, TokenId
+
 
 class OpenAIModel(BaseModel):
     # Clients send fields we do not use (user, tools, ...): accept and ignore them, as vLLM does.
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity (which Python's JSON parser accepts) are refused: no parameter means anything with them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -21,19 +24,19 @@ class SamplingFields(OpenAIModel):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=16)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling fields (the openai SDK sends them through extra_body)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool | None = None
 
     def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
@@ -69,7 +72,7 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -79,9 +82,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[TokenId] = Field(min_length=1)  # token ids go to the engine as they are
     echo: bool = False
-    max_tokens: int | None = Field(16, ge=1)  # the completions API's default
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)  # the completions API's default
     logprobs: int | None = Field(None, ge=0, le=5)
 
     @field_validator("prompt")

@@ -14,6 +14,8 @@ from backend.engine.request import RequestOutput, SamplingParams
 
 # Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
 INVALID_REQUEST = "invalid request: "
+# Prefix of the error message when the engine cannot take requests: stopped, or shutting down (HTTP 503).
+ENGINE_UNAVAILABLE = "engine unavailable: "
 
 # A request whose Triton request parameters carry this key is an engine admin action, not a generation.
 # The gateway's POST /start_profile and /stop_profile send it (vLLM's routes of the same names).
@@ -23,10 +25,29 @@ ADMIN_ACTIONS = ("start_profile", "stop_profile")
 FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
          "return_num_input_tokens", "return_num_output_tokens")
 
+# The model's inputs and outputs, in Triton's model-config form. The one home of the contract:
+# TritonPythonModel.auto_complete_config adds them to config.pbtxt, and execute() reads these inputs.
+INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    # npu-llm's extension: the prompt as token ids (then text_input is only its display text, and may be empty)
+    {"name": "prompt_token_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+    *({"name": flag, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for flag in FLAGS),
+]
+OUTPUTS = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+]
+
 
 @dataclass
 class ParsedRequest:
-    prompt: str
+    prompt: str  # text_input
     stream: bool
     params: SamplingParams
     exclude_input_in_output: bool = False
@@ -35,6 +56,14 @@ class ParsedRequest:
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def engine_prompt(self) -> str | dict:
+        """What the engine gets: the token ids as they are when given, else the text."""
+        if self.prompt_token_ids is None:
+            return self.prompt
+        return {"prompt_token_ids": self.prompt_token_ids, "prompt": self.prompt or None}
 
 
 def _scalar(value: np.ndarray | None):
@@ -61,7 +90,12 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
     text = _scalar(inputs.get("text_input"))
     if text is None:
         raise ValueError("missing input 'text_input'")
-    prompt = text.decode("utf-8", errors="strict") if isinstance(text, bytes) else str(text)
+    try:
+        prompt = text.decode("utf-8", errors="strict") if isinstance(text, bytes) else str(text)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text_input is not valid UTF-8: {e}") from None
+    ids = inputs.get("prompt_token_ids")
+    prompt_token_ids = None if ids is None else [int(t) for t in ids.reshape(-1)]
 
     # Sampling parameters come as a JSON string input, or (generate endpoint) as request parameters.
     raw = _scalar(inputs.get("sampling_parameters"))
@@ -86,7 +120,7 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
         params = SamplingParams(**values)
     except ValueError as e:  # pydantic's message names each offending field
         raise ValueError(f"invalid sampling parameters: {e}") from None
-    return ParsedRequest(prompt=prompt, stream=stream, params=params, **flags)
+    return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids, **flags)
 
 
 def _as_bool(value, name: str) -> bool:

@@ -90,13 +90,22 @@ def run_copy(repository: Path, work_dir: Path, engine_args: dict) -> Path:
 
 
 def server_command(
-    server: Tritonserver, repository: Path, http_port: int, grpc_port: int, metrics_port: int, extra: list[str] = ()
+    server: Tritonserver, repository: Path, http_port: int, grpc_port: int, metrics_port: int, extra: list[str] = (),
+    host: str = "127.0.0.1",
 ) -> tuple[list[str], dict[str, str]]:
+    """host: the address of all three endpoints. Loopback by default: Triton has no authentication, so an open
+    port would bypass the gateway's API key."""
     argv = [
         str(server.binary),
         f"--model-repository={repository}",
+        # explicit mode, every model loaded at start: a model whose engine died can unload itself (readiness false)
+        "--model-control-mode=explicit",
+        "--load-model=*",
+        f"--http-address={host}",
         f"--http-port={http_port}",
+        f"--grpc-address={host}",
         f"--grpc-port={grpc_port}",
+        f"--metrics-address={host}",
         f"--metrics-port={metrics_port}",
         "--allow-metrics=true",
         "--exit-timeout-secs=10",

@@ -4,10 +4,15 @@ Threads: Triton calls execute() and gets control back at once; each request beco
 coroutine on our asyncio loop (its own thread), reading an AsyncEngine stream (the engine
 steps on a third thread). Responses go out through a sender thread, since a send may block
 on IPC; that thread also notices cancelled requests, which the coroutine then aborts.
+
+If the engine dies, the model unloads itself (as vllm_backend's health check does), so
+Triton's model readiness turns false; that needs --model-control-mode=explicit, which
+`npu-llm serve` uses. Under any mode, requests from then on get UNAVAILABLE at once.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import itertools
 import json
@@ -20,10 +25,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
-from backend.engine.async_engine import AsyncEngine
+from backend.engine.async_engine import AsyncEngine, EngineDeadError
 from backend.triton.contract import (
-    FLAGS,
+    ENGINE_UNAVAILABLE,
+    INPUTS,
     INVALID_REQUEST,
+    OUTPUTS,
     ParsedRequest,
     admin_action,
     parse_request,
@@ -31,8 +38,9 @@ from backend.triton.contract import (
 )
 from backend.triton.metrics import RequestRecord, VllmMetrics
 
-INPUTS = ("text_input", "stream", "sampling_parameters") + FLAGS
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# finalize() waits this long, all requests together, for in-flight requests to send their last response.
+FINALIZE_WAIT_S = 5.0
 
 
 class _Sender:
@@ -44,6 +52,21 @@ class _Sender:
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """The contract's inputs and outputs (backend/triton/contract.py), for those config.pbtxt leaves out."""
+        config = auto_complete_model_config.as_dict()
+        have = {t["name"] for t in config.get("input", [])} | {t["name"] for t in config.get("output", [])}
+        for spec in INPUTS:
+            if spec["name"] not in have:
+                auto_complete_model_config.add_input(spec)
+        for spec in OUTPUTS:
+            if spec["name"] not in have:
+                auto_complete_model_config.add_output(spec)
+        auto_complete_model_config.set_max_batch_size(0)
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        return auto_complete_model_config
+
     def initialize(self, args):
         self.logger = pb_utils.Logger
         self.model_config = json.loads(args["model_config"])
@@ -51,7 +74,8 @@ class TritonPythonModel:
         with open(os.path.join(model_dir, "model.json")) as f:
             engine_args = json.load(f)
         config = EngineConfig.from_dict(engine_args)  # unknown keys fail the load, named
-        self.engine = AsyncEngine.from_config(config)
+        self._model_name = args["model_name"]
+        self.engine = AsyncEngine.from_config(config, on_dead=self._engine_died)
         self.logger.log_info(f"[npu-llm] engine ready: {config.model} on {self.engine.engine.platform.device}")
 
         self.metrics = None
@@ -75,8 +99,9 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            if not self._accepting:
-                self._send_error(_Sender(request.get_response_sender()), "the model is shutting down",
+            if not self._accepting or not self.engine.is_running:
+                why = "the model is shutting down" if self._accepting else f"the engine stopped: {self.engine.dead_error!r}"
+                self._send_error(_Sender(request.get_response_sender()), f"{ENGINE_UNAVAILABLE}{why}",
                                  pb_utils.TritonError.UNAVAILABLE)
                 continue
             future = asyncio.run_coroutine_threadsafe(self._serve(request), self._loop)
@@ -96,9 +121,9 @@ class TritonPythonModel:
             return
         try:
             inputs = {}
-            for name in INPUTS:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                inputs[name] = None if tensor is None else tensor.as_numpy()
+            for spec in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, spec["name"])
+                inputs[spec["name"]] = None if tensor is None else tensor.as_numpy()
             parsed = parse_request(inputs, request.parameters())
         except ValueError as e:
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
@@ -108,6 +133,8 @@ class TritonPythonModel:
             await self._generate(parsed, request_id, sender)
         except ValueError as e:  # rejected by the engine (prompt too long, ...)
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
+        except EngineDeadError as e:
+            self._send_error(sender, f"{ENGINE_UNAVAILABLE}{e}", pb_utils.TritonError.UNAVAILABLE)
         except Exception as e:
             self.logger.log_error(f"[npu-llm] request {request_id} failed: {traceback.format_exc()}")
             self._send_error(sender, f"generation failed: {e}", pb_utils.TritonError.INTERNAL)
@@ -115,7 +142,7 @@ class TritonPythonModel:
     async def _generate(self, parsed: ParsedRequest, request_id: str, sender: _Sender) -> None:
         sent_tokens = [0] * parsed.params.n
         output = None
-        async for output in self.engine.generate(parsed.prompt, parsed.params, request_id):
+        async for output in self.engine.generate(parsed.engine_prompt, parsed.params, request_id):
             if sender.cancelled or (not parsed.stream and sender.sender.is_cancelled()):
                 self.logger.log_info(f"[npu-llm] request {request_id} cancelled")
                 self.engine.abort(request_id)
@@ -161,8 +188,7 @@ class TritonPythonModel:
         self._responses.put((sender, response, FINAL if final else 0))
 
     def _send_error(self, sender: _Sender, message: str, code) -> None:
-        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
-        self._responses.put((sender, pb_utils.InferenceResponse(error=error), FINAL))
+        self._responses.put((sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), FINAL))
 
     def _send_loop(self) -> None:
         while True:
@@ -177,17 +203,22 @@ class TritonPythonModel:
             except Exception:
                 self.logger.log_error(f"[npu-llm] sending a response failed: {traceback.format_exc()}")
 
-    # -- shutdown ---------------------------------------------------------------------------------
+    # -- health and shutdown ----------------------------------------------------------------------
+
+    def _engine_died(self, error: BaseException) -> None:
+        """On the engine's thread, once: take the model out of service, so readiness says what happened."""
+        self.logger.log_error(f"[npu-llm] the engine stopped, unloading model {self._model_name}: {error!r}")
+        try:
+            pb_utils.unload_model(self._model_name)  # non-blocking; needs --model-control-mode=explicit
+        except Exception as e:
+            self.logger.log_warn(f"[npu-llm] could not unload the model ({e}); its requests fail as UNAVAILABLE")
 
     def finalize(self):
         self.logger.log_info("[npu-llm] finalize: aborting in-flight requests")
         self._accepting = False
         self.engine.shutdown()  # in-flight streams end with finish_reason "abort"
-        for future in list(self._inflight):
-            try:
-                future.result(timeout=10)
-            except Exception:
-                pass
+        # one deadline for all of them: a busy server must still exit promptly on SIGTERM
+        concurrent.futures.wait(list(self._inflight), timeout=FINALIZE_WAIT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join(5)
         self._responses.put(None)

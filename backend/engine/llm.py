@@ -1,0 +1,69 @@
+"""LLM: offline batch generation over an LLMEngine, modelled on vLLM's."""
+from __future__ import annotations
+
+from backend.config import EngineConfig
+from backend.engine.engine import LLMEngine, PromptType
+from backend.engine.profiler import ProfileResult
+from backend.engine.request import RequestOutput, SamplingParams
+from backend.engine.tokenizer import chat_prompt_ids
+
+
+class RequestFailedError(RuntimeError):
+    """A request of a generate() call failed in the engine; the others of the call were aborted."""
+
+
+class LLM:
+    """LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        if model is not None:
+            engine_args["model"] = model
+        self.engine = LLMEngine(EngineConfig(**engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def start_profile(self) -> None:
+        self.engine.start_profile()
+
+    def stop_profile(self) -> ProfileResult:
+        return self.engine.stop_profile()
+
+    def generate(
+        self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Outputs in input order. A prompt is a string, a list of token ids or {"prompt_token_ids": [...]}."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(None, prompt, sp))
+            return self._run(ids)
+        except BaseException:
+            for request_id in ids:  # leave the engine as it was: nothing of this call keeps running
+                self.engine.abort_request(request_id, emit_output=False)
+            raise
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+            failures = self.engine.take_failures()
+            failed = [i for i in ids if i in failures]
+            if failed:
+                raise RequestFailedError(f"request {failed[0]} failed: {failures[failed[0]]!r}") from failures[failed[0]]
+        return [done[i] for i in ids]
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": chat_prompt_ids(self.engine.tokenizer, c)} for c in conversations]
+        return self.generate(prompts, sampling_params)

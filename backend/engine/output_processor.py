@@ -1,0 +1,108 @@
+"""From sampled tokens to RequestOutputs: text, stop strings, logprobs and n > 1 groups (vLLM v1's OutputProcessor).
+
+The scheduler decides when a sequence ends by token (stop token, length); this module owns
+everything about text: incremental detokenization, stop strings (which also end a sequence),
+the logprobs each sequence collects, and one RequestOutput per user request, however many
+sequences it has. State is keyed by request id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput
+from backend.engine.sampler import SampledToken
+from kernels.timing import scope
+
+
+class RequestState:
+    """One sequence's output side: its detokenizer and the logprobs it has collected."""
+
+    def __init__(self, request: Request, index: int, parent: "ParentRequest", tokenizer):
+        self.request = request
+        self.index = index
+        self.parent = parent
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.params)
+        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+
+    def add(self, sampled: SampledToken) -> str | None:
+        """Take the sequence's new token; returns the stop string it completed, if any."""
+        request = self.request
+        if self.logprobs is not None:
+            self.logprobs.append(sampled.logprobs)
+            self.cumulative_logprob += sampled.logprob
+        stopped_by_token = request.finished and request.finish_reason == "stop"
+        if stopped_by_token and not request.params.include_stop_str_in_output:
+            return None  # the stop token's text is not part of the output
+        with scope("detokenize"):
+            return self.detokenizer.add_token(sampled.token_id, check_stop=request.can_stop)
+
+    def completion(self) -> CompletionOutput:
+        request = self.request
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            delta=self.detokenizer.take_delta(request.finished),
+            token_ids=request.output_token_ids,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,  # a snapshot, not the live list
+        )
+
+
+@dataclass
+class ParentRequest:
+    """A user request: n sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    states: list[RequestState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.finished for s in self.states)
+
+    def output(self) -> RequestOutput:
+        children = [s.request for s in self.states]
+        first = children[0]
+        first_times = [c.first_token_time for c in children if c.first_token_time]
+        finish_times = [c.finish_time for c in children if c.finish_time]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_token_time=min(first_times) if first_times else None,
+            finish_time=max(finish_times) if self.finished and finish_times else None,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        with scope("detokenize"):  # the output takes each sequence's new text from its detokenizer
+            outputs = [s.completion() for s in self.states]
+        return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, self.finished, metrics)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.states: dict[str, RequestState] = {}  # sequence (child) request id -> its state
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        parent = ParentRequest(request_id, prompt, [])
+        parent.states = [RequestState(child, i, parent, self.tokenizer) for i, child in enumerate(children)]
+        self.parents[request_id] = parent
+        for state in parent.states:
+            self.states[state.request.request_id] = state
+
+    def pop(self, request_id: str) -> ParentRequest | None:
+        """Forget a user request (finished or aborted); returns it."""
+        parent = self.parents.pop(request_id, None)
+        for state in parent.states if parent else ():
+            self.states.pop(state.request.request_id, None)
+        return parent
+
+    def parent_of(self, child: Request) -> ParentRequest:
+        return self.states[child.request_id].parent
+
+    def add_token(self, child: Request, sampled: SampledToken) -> str | None:
+        """A sequence's new token (already appended by the scheduler); returns the stop string it completed."""
+        return self.states[child.request_id].add(sampled)
