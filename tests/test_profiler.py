@@ -26,7 +26,7 @@ def test_capture_writes_a_trace_and_a_breakdown_that_sums_to_the_steps(tiny_llam
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm.start_profile()
     engine.add_request("a", list(range(1, 150)), params)  # 149 tokens: prefill-only chunks under a 64 budget
-    times = _run_timed(engine, lambda: engine.groups["a"].children[0].num_output_tokens >= 3)
+    times = _run_timed(engine, lambda: engine.outputs.states["a"].request.num_output_tokens >= 3)
     engine.add_request("b", list(range(5, 100)), params)  # arrives while "a" decodes: mixed steps
     times += _run_timed(engine, lambda: not engine.has_unfinished_requests())
     result = llm.stop_profile()
