@@ -42,7 +42,29 @@ def run_loadtest(args) -> int:
 
         stack = running_stack(args, with_ui=False)
     with stack:
+        if args.soak:
+            return _soak(args, out)
         return subprocess.run(locust_command(args, out)).returncode
+
+
+def _soak(args, out: Path) -> int:
+    """The load, watched: non-zero exit on errors, memory growth or KV blocks held afterwards (loadtest/soak.py)."""
+    import json
+
+    from backend.serve import client_host
+    from loadtest.soak import SoakLimits, SoakMonitor, verdict, write_verdict
+
+    limits = SoakLimits(warm_up_s=args.soak_warm_up)
+    ports = [args.gateway_port, args.http_port, args.grpc_port, args.metrics_port]
+    monitor = SoakMonitor(ports, f"http://{client_host(args.triton_host)}:{args.metrics_port}/metrics").start()
+    try:
+        returncode = subprocess.run(locust_command(args, out)).returncode
+    finally:
+        monitor.stop()
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    result = verdict(monitor, summary, monitor.drained(limits.drain_s), limits)
+    write_verdict(out, result)
+    return 1 if result["failures"] else returncode
 
 
 def add_loadtest_args(parser) -> None:
@@ -62,3 +84,7 @@ def add_loadtest_args(parser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--start-stack", action="store_true",
                         help="start Triton and the gateway for the run, and stop them after")
+    parser.add_argument("--soak", action="store_true",
+                        help="watch the stack's memory and KV cache during the run; fail on errors, memory growth "
+                             "after warm-up, or KV blocks held once the users stop (writes soak.json)")
+    parser.add_argument("--soak-warm-up", type=float, default=20.0, help="seconds before memory is compared")

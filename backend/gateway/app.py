@@ -139,6 +139,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
         return data

@@ -106,6 +106,8 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
         values = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{source} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{source} is nested too deeply") from None
     if not isinstance(values, dict):
         raise ValueError(f"{source} must be a JSON object, got {type(values).__name__}")
 

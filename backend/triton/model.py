@@ -100,7 +100,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             if not self._accepting or not self.engine.is_running:
-                why = "the model is shutting down" if self._accepting else f"the engine stopped: {self.engine.dead_error!r}"
+                why = f"the engine stopped: {self.engine.dead_error!r}" if self._accepting else "shutting down"
                 self._send_error(_Sender(request.get_response_sender()), f"{ENGINE_UNAVAILABLE}{why}",
                                  pb_utils.TritonError.UNAVAILABLE)
                 continue
@@ -110,7 +110,15 @@ class TritonPythonModel:
         return None
 
     async def _serve(self, request) -> None:
+        """One request, from parsing to its final response: whatever happens, it gets one."""
         sender = _Sender(request.get_response_sender())
+        try:
+            await self._serve_request(request, sender)
+        except Exception as e:
+            self.logger.log_error(f"[npu-llm] request failed: {traceback.format_exc()}")
+            self._send_error(sender, f"request failed: {e!r}", pb_utils.TritonError.INTERNAL)
+
+    async def _serve_request(self, request, sender: _Sender) -> None:
         try:
             action = admin_action(request.parameters())
         except ValueError as e:
