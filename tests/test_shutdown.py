@@ -1,0 +1,184 @@
+"""`npu-llm serve` and `npu-llm gateway` as a user runs them: Triton listens on loopback only, SIGTERM stops a
+busy stack within a bound and leaves no process behind, and an engine that dies takes the model out of
+service (readiness false, 503) instead of leaving requests to hang."""
+from __future__ import annotations
+
+import ipaddress
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from backend.triton.launcher import DEFAULT_REPOSITORY, REPO_ROOT
+from tests.conftest import GATEWAY_API_KEY, free_port, start_gateway
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+AUTH = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
+SIGTERM_BOUND_S = 15
+
+
+class Served:
+    """`npu-llm serve` in a subprocess, on free ports."""
+
+    def __init__(self, repository: Path, log_path: Path):
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        argv = [sys.executable, "-m", "backend.cli", "serve", "--model-repository", str(repository),
+                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
+                "--engine-arg", "kv_cache_memory_gb=0.25", "--engine-arg", "max_num_seqs=16"]
+        self.log_path = log_path
+        self.process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not self.ready():
+            assert self.process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def ready(self, model: bool = False) -> bool:
+        path = "/v2/models/llm/ready" if model else "/v2/health/ready"
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.http}{path}", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def kill(self) -> None:
+        """Whatever is left of it (nothing, when the test passed)."""
+        try:
+            parent = psutil.Process(self.process.pid)
+            processes = [parent, *parent.children(recursive=True)]
+        except psutil.Error:
+            return
+        for process in processes:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+def _listening(ports: set[int]) -> dict[int, bool]:
+    """port -> whether it listens on loopback only (an IPv4-mapped IPv6 loopback counts as loopback)."""
+    listening = {}
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port in ports:
+            address = ipaddress.ip_address(c.laddr.ip)
+            address = getattr(address, "ipv4_mapped", None) or address
+            listening[c.laddr.port] = listening.get(c.laddr.port, True) and address.is_loopback
+    return listening
+
+
+def _stream_forever(gateway: str, errors: list) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write an endless story."}], "max_tokens": 4000,
+            "ignore_eos": True, "stream": True, "n": 4, "temperature": 1.0}
+    try:
+        with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+            for _ in r.iter_lines():
+                pass
+    except httpx.HTTPError as e:  # the server went away mid-stream, as it should
+        errors.append(e)
+
+
+def test_triton_binds_loopback_and_sigterm_stops_a_busy_stack_in_bounded_time(tmp_path):
+    served = Served(DEFAULT_REPOSITORY, tmp_path / "serve.log")
+    gateway_port = free_port()
+    gateway = start_gateway(f"127.0.0.1:{served.grpc}", gateway_port, tmp_path / "gateway.log")
+    try:
+        # Triton has no authentication: its ports must not be reachable from elsewhere by default
+        ports = {served.http, served.grpc, served.metrics}
+        assert _listening(ports) == {port: True for port in ports}
+
+        errors: list = []
+        clients = [threading.Thread(target=_stream_forever, args=(f"http://127.0.0.1:{gateway_port}", errors))
+                   for _ in range(6)]
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 120
+        while served.metric("vllm:num_requests_running") < 16:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True),
+                 psutil.Process(gateway.pid)]
+        assert any("triton_python_backend_stub" in " ".join(p.cmdline()) for p in stack)
+
+        start = time.monotonic()
+        served.process.send_signal(signal.SIGTERM)
+        gateway.send_signal(signal.SIGTERM)
+        gone, alive = psutil.wait_procs(stack, timeout=SIGTERM_BOUND_S)
+        elapsed = time.monotonic() - start
+        assert not alive, f"still running {elapsed:.0f} s after SIGTERM: {[p.cmdline()[:2] for p in alive]}"
+        for c in clients:
+            c.join(30)
+        assert not _listening(ports | {gateway_port})
+    finally:
+        served.kill()
+        gateway.kill()
+
+
+FAULT_MODEL = '''
+import os
+import sys
+sys.path[:0] = [{root!r}] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # as 1/model.py
+from backend.triton.model import TritonPythonModel as _Served
+import triton_python_backend_utils as pb_utils
+
+
+def _broken_schedule():
+    raise MemoryError("injected: the engine's own state is broken")
+
+
+class TritonPythonModel(_Served):
+    """The real model; a request whose text is KILL breaks the engine's scheduler (a fault no request owns)."""
+
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
+            if text == b"KILL":
+                self.engine.engine.scheduler.schedule = _broken_schedule
+        return super().execute(requests)
+'''
+
+
+def test_a_dead_engine_is_out_of_service_within_seconds(tmp_path):
+    repository = tmp_path / "repository"
+    (repository / "llm" / "1").mkdir(parents=True)
+    (repository / "llm" / "config.pbtxt").write_text((DEFAULT_REPOSITORY / "llm" / "config.pbtxt").read_text())
+    (repository / "llm" / "1" / "model.json").write_text(
+        (DEFAULT_REPOSITORY / "llm" / "1" / "model.json").read_text())
+    (repository / "llm" / "1" / "model.py").write_text(FAULT_MODEL.format(root=str(REPO_ROOT)))
+    served = Served(repository, tmp_path / "serve.log")
+    gateway_port = free_port()
+    gateway = start_gateway(f"127.0.0.1:{served.grpc}", gateway_port, tmp_path / "gateway.log")
+    url = f"http://127.0.0.1:{gateway_port}"
+    try:
+        assert served.ready(model=True)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        killed = httpx.post(f"http://127.0.0.1:{served.http}/v2/models/llm/generate", timeout=60,
+                            json={"text_input": "KILL", "parameters": {"max_tokens": 4}})
+        assert killed.status_code >= 400 and "engine" in killed.text
+        start = time.monotonic()
+        while served.ready(model=True):
+            assert time.monotonic() - start < 10, "the model still reads ready"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        start = time.monotonic()
+        after = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
+                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert after.status_code == 503 and time.monotonic() - start < 5, after.text
+    finally:
+        served.process.send_signal(signal.SIGTERM)
+        gateway.terminate()
+        try:
+            served.process.wait(SIGTERM_BOUND_S)
+        finally:
+            served.kill()
+            gateway.kill()
