@@ -66,7 +66,7 @@ def run_throughput_bench(args) -> dict:
     result = {
         "model": config.model,
         "device": str(engine.platform.device),
-        "dtype": str(engine.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
         "num_prompts": len(prompts),
         "prompt_tokens": num_prompt_tokens,
         "output_tokens": num_output_tokens,
@@ -82,7 +82,7 @@ def run_throughput_bench(args) -> dict:
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
     }
     if args.baseline == "hf":
-        dtype = engine.model.model.embed_tokens.weight.dtype
+        dtype = engine.model.dtype
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
         hf_elapsed = _hf_generate(engine.model_dir, dtype, prompts, args.output_len, args.hf_batch_size, pad)
         result["hf"] = {

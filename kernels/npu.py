@@ -1,6 +1,6 @@
 """Ascend NPU kernels: torch_npu's fused paged-attention op set, called as vllm-ascend calls it.
 
-Sources (see ../shared/NPU_OPS.md): op schemas from Ascend/op-plugin (branch 7.1.0, the
+Sources (see docs/npu.md): op schemas from Ascend/op-plugin (branch 7.1.0, the
 torch_npu 2.5.1.post1 line) op_plugin/ops/atb/*.cpp; call sites from vllm-ascend v0.9.1
 (attention/attention_v1.py, attention/attention.py, ops/layernorm.py, ops/rotary_embedding.py).
 ATB ops return nothing and write their outputs in place; outputs must be contiguous; lengths
@@ -64,7 +64,7 @@ def paged_attention(query, key, value, key_cache, value_cache, metadata: Attenti
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     out = torch.empty_like(query)
     q_lens, ctx_lens = metadata.query_lens, metadata.context_lens
-    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)  # CPU, per NPU_OPS.md §0
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)  # CPU, per docs/npu.md §0
     decode_only = metadata.num_decodes == len(q_lens)
     # splitfuse serves a mixed batch's decodes and prefill chunks in one op: it counts as prefill attention
     with scope("attention.decode" if decode_only else "attention.prefill"):

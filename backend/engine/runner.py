@@ -31,7 +31,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.dtype
         # One block past the pool's: a scratch block no request owns, where padded rows write their K/V.
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
@@ -51,7 +51,7 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.dtype
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
 
     @torch.inference_mode()

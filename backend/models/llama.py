@@ -185,6 +185,11 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin_cache = None  # built by init_rope once the model sits on its device and dtype
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights, activations and KV cache are in."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
     def num_layers(self) -> int:
         return len(self.model.layers)
 

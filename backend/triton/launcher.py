@@ -2,7 +2,7 @@
 
 On a machine with Triton installed, `tritonserver` on PATH is used as is. Otherwise the
 binary bundled in the `nvidia-pytriton` wheel runs with a python-backend directory assembled
-for the running interpreter (DESIGN.md: environment facts).
+for the running interpreter (docs/architecture.md: facts about the environment).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A CPU-backed stand-in for torch_npu, for contract tests on machines without Ascend hardware.
 
 It implements the ops kernels/npu.py calls with kernels/torch_ref.py semantics, and checks
-their arguments the way the real ops document them (../shared/NPU_OPS.md): keyword names,
+their arguments the way the real ops document them (docs/npu.md): keyword names,
 fp16/bf16 only, int32 slot indices and block tables, CPU int32 lengths, contiguous outputs,
 block sizes, and the exact causal masks vllm-ascend builds. A wrong call raises, as the real
 op would fail. Tensors live on the CPU: `backing_device_type` tells npu-llm's platform so.
