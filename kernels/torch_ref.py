@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, cdiv
 from kernels.timing import scope
 
 
@@ -72,7 +72,7 @@ def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadat
             if ctx_len == q_len:  # nothing cached before this chunk: attend to the new K/V directly
                 k, v = key[start : start + q_len], value[start : start + q_len]
             else:
-                blocks = metadata.block_tables[i, : -(-ctx_len // metadata.block_size)]
+                blocks = metadata.block_tables[i, : cdiv(ctx_len, metadata.block_size)]
                 k = gather_kv(key_cache, blocks)[:ctx_len]
                 v = gather_kv(value_cache, blocks)[:ctx_len]
             out[start : start + q_len] = prefill_attention(query[start : start + q_len], k, v, scale)
@@ -106,7 +106,7 @@ def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata,
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_ctx = max(metadata.context_lens[:num_seqs])
-    blocks = metadata.block_tables[:num_seqs, : -(-max_ctx // metadata.block_size)]
+    blocks = metadata.block_tables[:num_seqs, : cdiv(max_ctx, metadata.block_size)]
     k = gather_kv(key_cache, blocks).transpose(1, 2)  # [B, Hkv, L, D]
     v = gather_kv(value_cache, blocks).transpose(1, 2)
     visible = torch.arange(k.shape[2], device=query.device) < metadata.context_lens_tensor[:num_seqs, None]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata, cpu, torch_ref
+from kernels.metadata import cdiv
 
 # every kernel module must agree with the dense reference
 OPS = [pytest.param(torch_ref, id="torch_ref"), pytest.param(cpu, id="cpu")]
@@ -35,7 +36,7 @@ def _run_batch(seqs, block_size, ops=torch_ref, num_blocks=96, dtype=torch.float
     rng.shuffle(free)
     tables, ks, vs, qs = [], [], [], []
     for ctx, q_len in seqs:
-        tables.append([free.pop() for _ in range(-(-ctx // block_size))])
+        tables.append([free.pop() for _ in range(cdiv(ctx, block_size))])
         ks.append(torch.randn(ctx, NUM_KV_HEADS, HEAD_DIM, dtype=dtype))
         vs.append(torch.randn(ctx, NUM_KV_HEADS, HEAD_DIM, dtype=dtype))
         qs.append(torch.randn(q_len, NUM_HEADS, HEAD_DIM, dtype=dtype))

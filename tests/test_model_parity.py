@@ -9,6 +9,7 @@ import torch
 from backend.engine.runner import ModelRunner, SequenceChunk
 from backend.models.loader import load_model
 from kernels import ops_for
+from kernels.metadata import cdiv
 from tests.conftest import hf_model
 
 DECODE_STEPS = 32
@@ -18,7 +19,7 @@ def _greedy_through_paged_cache(model, prompt: list[int], block_size: int, steps
     """Prefill the prompt, then greedy-decode `steps` tokens one at a time; all step logits."""
     num_blocks = 64
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device="cpu")
-    blocks = random.Random(0).sample(range(num_blocks), -(-(len(prompt) + steps) // block_size))
+    blocks = random.Random(0).sample(range(num_blocks), cdiv(len(prompt) + steps, block_size))
     logits = [runner.execute([SequenceChunk(prompt, 0, blocks)])[0]]
     tokens = prompt + [int(logits[-1].argmax())]
     for _ in range(steps - 1):
@@ -31,7 +32,7 @@ def _prompt_logits(model, prompt: list[int], block_size: int) -> torch.Tensor:
     from kernels import AttentionMetadata
 
     runner = ModelRunner(model, num_blocks=64, block_size=block_size, device="cpu")
-    blocks = list(range(-(-len(prompt) // block_size)))
+    blocks = list(range(cdiv(len(prompt), block_size)))
     metadata = AttentionMetadata.build([len(prompt)], [len(prompt)], [blocks], block_size)
     with torch.inference_mode():
         hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), runner.kv_caches, metadata)

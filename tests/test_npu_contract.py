@@ -81,6 +81,7 @@ def test_ops_reject_what_the_real_ops_reject(fake_npu):
 @pytest.mark.parametrize("case", ["decode", "fresh-prefill", "mixed"])
 def test_npu_attention_matches_torch_ref(fake_npu, case):
     from kernels import AttentionMetadata, npu, torch_ref
+    from kernels.metadata import cdiv
 
     seqs = {"decode": [(5, 1), (130, 1), (256, 1)], "fresh-prefill": [(40, 40), (129, 129)],
             "mixed": [(7, 1), (300, 1), (200, 72), (64, 64)]}[case]
@@ -89,7 +90,7 @@ def test_npu_attention_matches_torch_ref(fake_npu, case):
     cache_v = torch.randn_like(cache_k)
     tables, nxt = [], 0
     for ctx, _ in seqs:
-        n = -(-ctx // 128)
+        n = cdiv(ctx, 128)
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
     md = AttentionMetadata.build([q for _, q in seqs], [c for c, _ in seqs], tables, 128)

@@ -22,6 +22,7 @@ import torch
 
 from backend.platform import Platform
 from kernels import AttentionMetadata
+from kernels.metadata import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class DecodeGraphs:
         self.block_size, self.scratch_block = block_size, scratch_block
         self.batch_sizes = capture_sizes(max_num_seqs)
         self.widths = model.ops.decode_graph_widths(max_len, block_size)
-        size, max_blocks, device = self.batch_sizes[-1], -(-max_len // block_size), platform.device
+        size, max_blocks, device = self.batch_sizes[-1], cdiv(max_len, block_size), platform.device
         # The inputs every graph reads; padding rows point at the scratch block with one token of context.
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)

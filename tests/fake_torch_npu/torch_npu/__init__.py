@@ -17,7 +17,7 @@ import types
 import torch
 
 from kernels import torch_ref
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, cdiv
 
 from . import _graphs
 from . import profiler
@@ -179,7 +179,7 @@ def _npu_paged_attention_splitfuse(*, query, key_cache, value_cache, block_table
              f"{name}: mask must be [T, max context] with token at position p seeing KV <= p")
     block_size, start = key_cache.shape[1], 0
     for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
-        blocks = block_table[i, : -(-c // block_size)].long()
+        blocks = block_table[i, : cdiv(c, block_size)].long()
         k = torch_ref.gather_kv(key_cache, blocks)[:c]
         v = torch_ref.gather_kv(value_cache, blocks)[:c]
         out[start : start + q] = torch_ref.prefill_attention(query[start : start + q], k, v, scale_value)
