@@ -41,5 +41,8 @@ def _stream_reply(engine: LLMEngine, prompt_ids: list[int], params: SamplingPara
         engine.abort_request(request_id)
         engine.step()  # collects the abort
         out.write(" [stopped]")
+    failure = engine.take_failures().get(request_id)
+    if failure is not None:
+        out.write(f" [failed: {failure!r}]")
     out.write("\n")
     return text

@@ -21,8 +21,9 @@ def _spawn(*args: str) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def running_stack(args, with_ui: bool = True):
-    """Triton + gateway (+ UI) on the ports in args; yields (children, config); stops them all on exit."""
+def running_stack(args, with_ui: bool = True, stop: threading.Event | None = None):
+    """Triton + gateway (+ UI) on the ports in args; yields (children, config); stops them all on exit.
+    A set `stop` cuts the start short (the caller sees it set)."""
     repository, engine_args, config = checked_engine_args(args)
     children: list[subprocess.Popen] = []
     work_dir = None
@@ -30,17 +31,9 @@ def running_stack(args, with_ui: bool = True):
         triton, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
                                         args.triton_arg or [], new_session=True, host=args.triton_host)
         children.append(triton)
-        wait_ready(args.http_port, triton, host=args.triton_host)
-        triton_host = client_host(args.triton_host)
-        gateway = _spawn("gateway", "--triton-url", f"{triton_host}:{args.grpc_port}", "--host", args.host,
-                         "--port", str(args.gateway_port), "--tokenizer", config.model)
-        children.append(gateway)
-        wait_http(f"http://{client_host(args.host)}:{args.gateway_port}/health", gateway, "gateway", timeout=120)
-        if with_ui:
-            ui = _spawn("ui", "--gateway-url", f"http://127.0.0.1:{args.gateway_port}", "--host", args.host,
-                        "--metrics-url", f"http://{triton_host}:{args.metrics_port}/metrics", "--port", str(args.ui_port))
-            children.append(ui)
-            wait_http(f"http://{client_host(args.host)}:{args.ui_port}/", ui, "ui", timeout=120)
+        wait_ready(args.http_port, triton, host=args.triton_host, stop=stop)
+        if not (stop and stop.is_set()):
+            children += _start_front(args, config, with_ui)
         yield children, config
     finally:
         for child in reversed(children):
@@ -49,16 +42,39 @@ def running_stack(args, with_ui: bool = True):
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
+def _start_front(args, config, with_ui: bool) -> list[subprocess.Popen]:
+    """The gateway (and the UI) in front of a ready Triton, each started once the one below answers."""
+    triton, front = client_host(args.triton_host), client_host(args.host)
+    gateway = _spawn("gateway", "--triton-url", f"{triton}:{args.grpc_port}", "--host", args.host,
+                     "--port", str(args.gateway_port), "--tokenizer", config.model)
+    started = [gateway]
+    try:
+        wait_http(f"http://{front}:{args.gateway_port}/health", gateway, "gateway", timeout=120)
+        if with_ui:
+            ui = _spawn("ui", "--gateway-url", f"http://{front}:{args.gateway_port}", "--host", args.host,
+                        "--metrics-url", f"http://{triton}:{args.metrics_port}/metrics", "--port", str(args.ui_port))
+            started.append(ui)
+            wait_http(f"http://{front}:{args.ui_port}/", ui, "ui", timeout=120)
+    except BaseException:
+        for child in reversed(started):
+            stop_process_group(child)
+        raise
+    return started
+
+
 def up(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with running_stack(args) as (children, config):
+    with running_stack(args, stop=stop) as (children, config):
+        if stop.is_set():
+            return 130
+        triton = client_host(args.triton_host)
         print(f"npu-llm is up ({config.model}):\n"
               f"  chat UI      http://{args.host}:{args.ui_port}\n"
               f"  OpenAI API   http://{args.host}:{args.gateway_port}/v1\n"
-              f"  Triton       http://localhost:{args.http_port} (gRPC localhost:{args.grpc_port}, "
-              f"metrics http://localhost:{args.metrics_port}/metrics)\n"
+              f"  Triton       http://{triton}:{args.http_port} (gRPC {triton}:{args.grpc_port}, "
+              f"metrics http://{triton}:{args.metrics_port}/metrics)\n"
               "Ctrl-C stops all three.", flush=True)
         while not stop.wait(0.5):
             exited = [c for c in children if c.poll() is not None]

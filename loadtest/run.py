@@ -61,6 +61,9 @@ def _soak(args, out: Path) -> int:
         returncode = subprocess.run(locust_command(args, out)).returncode
     finally:
         monitor.stop()
+    if not (out / "summary.json").exists():
+        print("npu-llm soak: locust wrote no summary (see its output above)", flush=True)
+        return returncode or 1
     summary = json.loads((out / "summary.json").read_text())["summary"]
     result = verdict(monitor, summary, monitor.drained(limits.drain_s), limits)
     write_verdict(out, result)

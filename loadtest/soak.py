@@ -53,8 +53,12 @@ class SoakMonitor:
     def _run(self) -> None:
         start = time.monotonic()
         while not self._stop.is_set():
-            self.samples.append({"t": time.monotonic() - start, "rss": rss_by_process(self.processes),
-                                 **engine_gauges(self.metrics_url)})
+            sample = {"t": round(time.monotonic() - start, 1), "rss": rss_by_process(self.processes)}
+            try:
+                sample.update(engine_gauges(self.metrics_url))
+            except OSError as e:  # a busy server may miss one scrape; the verdict counts them
+                sample["error"] = repr(e)
+            self.samples.append(sample)
             self._stop.wait(self.interval_s)
 
     def drained(self, timeout: float) -> dict:
@@ -123,17 +127,22 @@ def verdict(monitor: SoakMonitor, summary: dict, after: dict, limits: SoakLimits
             failures.append(f"{name} exited during the soak")
             continue
         first, last = series[0], series[-1]
-        memory[name] = {"rss_start_mib": round(first / MiB, 1), "rss_end_mib": round(last / MiB, 1),
-                        "rss_max_mib": round(max(series) / MiB, 1)}
+        memory[name] = {"rss_start_mib": round(first / MiB, 1), "rss_mid_mib": round(series[len(series) // 2] / MiB, 1),
+                        "rss_end_mib": round(last / MiB, 1), "rss_max_mib": round(max(series) / MiB, 1)}
         if last - first > max(limits.rss_growth * first, limits.rss_growth_floor_mib * MiB):
             failures.append(f"{name} grew from {first / MiB:.0f} MiB to {last / MiB:.0f} MiB after warm-up")
     if after["running"] != 0 or after["kv_usage"] != 0:
         failures.append(f"after the users stopped: {after['running']:.0f} requests running, "
                         f"KV cache {after['kv_usage']:.1%} used")
+    missed = sum(1 for s in monitor.samples if "error" in s)
+    if missed > len(monitor.samples) // 4:
+        failures.append(f"{missed} of {len(monitor.samples)} metrics scrapes failed")
     return {"requests": summary["requests"], "errors": summary["errors"],
             "ttft_p50_ms": summary["latency_ms"]["TTFT"]["p50"], "ttft_p99_ms": summary["latency_ms"]["TTFT"]["p99"],
             "output_tokens_per_s": summary["output_tokens_per_s"], "memory": memory,
-            "after_stop": after, "samples": len(monitor.samples), "failures": failures}
+            "after_stop": after, "samples": len(monitor.samples), "failures": failures,
+            "series": [{"t": s["t"], "kv_usage": s.get("kv_usage"),
+                        "rss_mib": {n: round(v / MiB, 1) for n, v in s["rss"].items()}} for s in monitor.samples]}
 
 
 def write_verdict(out: Path, result: dict) -> None:
@@ -141,7 +150,8 @@ def write_verdict(out: Path, result: dict) -> None:
     print(f"npu-llm soak: {result['requests']} requests, {result['errors']} errors, "
           f"TTFT p50 {result['ttft_p50_ms']} ms / p99 {result['ttft_p99_ms']} ms", flush=True)
     for name, m in result["memory"].items():
-        print(f"  {name}: RSS {m['rss_start_mib']} -> {m['rss_end_mib']} MiB (max {m['rss_max_mib']})", flush=True)
+        print(f"  {name}: RSS {m['rss_start_mib']} -> {m['rss_mid_mib']} -> {m['rss_end_mib']} MiB "
+              f"(max {m['rss_max_mib']})", flush=True)
     for failure in result["failures"]:
         print(f"  FAIL: {failure}", flush=True)
     if not result["failures"]:

@@ -47,3 +47,16 @@ def test_stop_string_across_tokens_is_cut_and_never_streamed(tokenizer):
 def test_stop_string_kept_when_asked(tokenizer):
     deltas, full, stopped = _stream(tokenizer, " one two three four", stop=[" three"], include_stop_str_in_output=True)
     assert stopped == " three" and full == " one two three" and "".join(deltas) == full
+
+
+def test_a_stop_string_seen_before_checking_starts_is_never_matched_later(tokenizer):
+    """min_tokens: text produced while stops may not count stays whole; a short stop string in it must not be
+    found later because a longer stop string widens the look-back."""
+    prompt = tokenizer.encode("Say:")
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(stop=[" b", " a much longer stop"]))
+    ids = tokenizer.encode(" a b c d e")
+    for t in ids[:3]:  # " a b" arrives while stops do not count
+        assert detok.add_token(t, check_stop=False) is None
+    for t in ids[3:]:
+        assert detok.add_token(t) is None
+    assert detok.text == tokenizer.decode(ids)

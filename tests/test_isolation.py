@@ -14,6 +14,7 @@ from backend.engine.async_engine import AsyncEngine, EngineDeadError
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, seed=i, max_tokens=10, ignore_eos=True) for i in range(3)]
 PROMPTS = ["The capital of France is", "Water boils at", "My favourite colour is"]
 
 
@@ -26,6 +27,12 @@ def llm():
 def alone(llm):
     """Each prompt's greedy tokens when it runs by itself."""
     return {p: llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def alone_seeded(llm):
+    """Each prompt's seeded samples (SEEDED[i]) when it runs by itself."""
+    return {p: llm.generate(p, SEEDED[i])[0].outputs[0].token_ids for i, p in enumerate(PROMPTS)}
 
 
 def _run(engine):
@@ -49,25 +56,26 @@ def test_parameters_the_model_cannot_take_are_refused_by_add_request(llm):
     assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
 
 
-def test_a_request_whose_sampling_fails_fails_alone(llm, alone, monkeypatch):
+def test_a_request_whose_sampling_fails_fails_alone(llm, alone_seeded, monkeypatch):
     real_sample = engine_module.sample
 
     def sample(logits, requests):
+        sampled = real_sample(logits, requests)  # the batch's seeded generators have drawn: a late failure
         if any(r.params.seed == 666 for r in requests):
             raise RuntimeError("injected sampler fault")
-        return real_sample(logits, requests)
+        return sampled
 
     monkeypatch.setattr(engine_module, "sample", sample)
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"good-{i}", prompt, GREEDY)
+        engine.add_request(f"good-{i}", prompt, SEEDED[i])
     engine.add_request("poison", "Tell me a story.", SamplingParams(seed=666, max_tokens=10))
     outputs = _run(engine)
     failures = engine.take_failures()
     assert list(failures) == ["poison"] and "injected sampler fault" in str(failures["poison"])
     assert "poison" not in outputs
-    for i, prompt in enumerate(PROMPTS):
-        assert outputs[f"good-{i}"].outputs[0].token_ids == alone[prompt]
+    for i, prompt in enumerate(PROMPTS):  # the same seeded samples as alone: the failed batch's draws were rewound
+        assert outputs[f"good-{i}"].outputs[0].token_ids == alone_seeded[prompt]
         assert outputs[f"good-{i}"].outputs[0].finish_reason == "length"
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0
@@ -156,21 +164,65 @@ def test_a_prompt_of_the_wrong_type_is_refused_and_the_engine_goes_on(async_engi
     assert async_engine.is_running
 
 
-def test_a_dead_engine_fails_every_stream_and_refuses_new_ones(tiny_llama_dir, default_model_dir):
+@pytest.fixture
+def tiny_engine(tiny_llama_dir, default_model_dir):
     deaths = []
     config = EngineConfig(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=64)
     engine = AsyncEngine.from_config(config, on_dead=deaths.append)
+    engine.deaths = deaths
+    yield engine
+    engine.shutdown(timeout=5)
+
+
+async def _first_output_then(engine, fault):
+    """A long request; once its first output is out, fault() breaks the engine; returns the stream."""
+    stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+    await anext(stream)
+    fault()
+    return stream
+
+
+def test_a_dead_engine_fails_every_stream_and_refuses_new_ones(tiny_engine):
+    def break_scheduler():  # a failure no request owns: the engine's state is suspect
+        tiny_engine.engine.scheduler.schedule = lambda: 1 / 0
 
     async def main():
-        running = asyncio.create_task(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True)))
-        await asyncio.sleep(0.3)
-        engine.engine.scheduler.schedule = lambda: 1 / 0  # a failure no request owns: the engine's state is suspect
+        stream = await _first_output_then(tiny_engine, break_scheduler)
         with pytest.raises(EngineDeadError):
-            await running
+            async for _ in stream:
+                pass
         with pytest.raises(EngineDeadError):
-            await _collect(engine, [1, 2, 3], SamplingParams())
+            await _collect(tiny_engine, [1, 2, 3], SamplingParams())
 
     asyncio.run(main())
-    assert not engine.is_running
-    assert len(deaths) == 1 and isinstance(deaths[0], ZeroDivisionError)
-    engine.shutdown(timeout=1)
+    assert not tiny_engine.is_running
+    assert len(tiny_engine.deaths) == 1 and isinstance(tiny_engine.deaths[0], ZeroDivisionError)
+
+
+def test_forward_passes_failing_in_a_row_stop_the_engine(tiny_engine):
+    def break_device():
+        tiny_engine.engine.runner.execute = lambda chunks: 1 / 0
+
+    async def main():
+        stream = await _first_output_then(tiny_engine, break_device)
+        with pytest.raises(ZeroDivisionError):  # the first failures fail their requests only
+            async for _ in stream:
+                pass
+        for _ in range(engine_module.MAX_FAILED_STEPS - 1):
+            with pytest.raises((ZeroDivisionError, EngineDeadError)):
+                await _collect(tiny_engine, [1, 2, 3], SamplingParams())
+        with pytest.raises(EngineDeadError):
+            await _collect(tiny_engine, [1, 2, 3], SamplingParams())
+
+    asyncio.run(main())
+    assert not tiny_engine.is_running and len(tiny_engine.deaths) == 1
+
+
+def test_requests_after_shutdown_fail_at_once(tiny_engine):
+    tiny_engine.shutdown()
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(_collect(tiny_engine, [1, 2, 3], SamplingParams()), timeout=5)
+
+    asyncio.run(main())

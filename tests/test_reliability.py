@@ -116,6 +116,8 @@ def _mutated(base: dict, fields: list[str]):
                 body.pop(key, None)
             else:
                 body[key] = value
+        if body.get("max_tokens") is None:  # no limit would be valid, and run to max_model_len
+            body["max_tokens"] = 4
         return body
 
     return changes.map(apply)

@@ -54,7 +54,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._stopping = False
-        self._lock = threading.Lock()  # a command is either queued before the thread dies, or refused
+        self._lock = threading.Lock()  # a command is either queued before the thread stops (or dies), or refused
         self.dead_error: BaseException | None = None
         self._on_dead = on_dead
         self._thread = threading.Thread(target=self._run, name="npu-llm-engine", daemon=True)
@@ -129,22 +129,32 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the step thread."""
-        self._stopping = True
-        self._send(("stop",), quiet=True)
+        with self._lock:
+            if not self._stopping and self.dead_error is None:
+                self._commands.put(("stop",))
+            self._stopping = True
+        self._wakeup.set()
         self._thread.join(timeout)
 
-    def _check_accepting(self) -> None:
+    def _unavailable(self) -> EngineDeadError | None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+            return EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
+            return EngineDeadError("the engine is shutting down")
+        return None
+
+    def _check_accepting(self) -> None:
+        error = self._unavailable()
+        if error is not None:
+            raise error
 
     def _send(self, command: tuple, quiet: bool = False) -> None:
         with self._lock:
-            if self.dead_error is not None:
+            error = self._unavailable()
+            if error is not None:
                 if quiet:
                     return
-                raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
+                raise error
             self._commands.put(command)
         self._wakeup.set()
 
@@ -156,6 +166,12 @@ class AsyncEngine:
         except BaseException as e:  # a failure no request owns: the engine's state can't be trusted any more
             log.exception("the engine stopped")
             self._die(e)
+            return
+        stopped = EngineDeadError("the engine is shutting down")
+        for stream in self._routes.values():
+            stream.put(stopped)
+        self._routes.clear()
+        self._refuse_queued(stopped)
 
     def _serve(self) -> None:
         engine = self.engine
@@ -177,24 +193,29 @@ class AsyncEngine:
     def _die(self, error: BaseException) -> None:
         with self._lock:
             self.dead_error = error
-        dead = EngineDeadError(f"the engine has stopped: {error!r}")
-        for stream in self._routes.values():
-            stream.put(dead)
-        self._routes.clear()
-        while True:  # commands queued before the lock was taken
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "add":
-                command[4].put(dead)
-            elif command[0] == "call":
-                self._settle(command[1], dead, failed=True)
-        if self._on_dead is not None:
+        if self._on_dead is not None:  # first, so the model is out of service before its clients hear
             try:
                 self._on_dead(error)
             except Exception:
                 log.exception("on_dead callback failed")
+        dead = EngineDeadError(f"the engine has stopped: {error!r}")
+        for stream in self._routes.values():
+            stream.put(dead)
+        self._routes.clear()
+        self._refuse_queued(dead)
+
+    def _refuse_queued(self, error: EngineDeadError) -> None:
+        """Answer the commands queued before the thread stopped (later ones are refused by _send)."""
+        with self._lock:
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    return
+                if command[0] == "add":
+                    command[4].put(error)
+                elif command[0] == "call":
+                    self._settle(command[1], error, failed=True)
 
     def _drain_commands(self) -> bool:
         while True:
@@ -227,7 +248,10 @@ class AsyncEngine:
         route = self._routes.get(request_id)
         if route is None or (stream is not None and route is not stream):
             return  # finished already, or the id now names a newer request
-        self._deliver(request_id, self.engine.abort_request(request_id, emit_output=False))
+        output = self.engine.abort_request(request_id, emit_output=False)
+        if output is None:  # unknown to the engine: end the stream anyway
+            self._routes.pop(request_id, None)
+        self._deliver(request_id, output)
 
     def _answer(self, future: asyncio.Future, method) -> None:
         try:

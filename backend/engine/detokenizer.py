@@ -32,7 +32,7 @@ class IncrementalDetokenizer:
         """Append one output token; returns the stop string if the text now contains one (text is cut there).
 
         With check_stop False (the output is not yet longer than min_tokens) stop strings are not looked for,
-        and the text stays whole: a later check only looks at text new since then (as vLLM's does).
+        and the text stays whole: a later check only finds a stop string that ends in text new since then.
         """
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
@@ -41,11 +41,13 @@ class IncrementalDetokenizer:
             return None  # an unfinished character: wait for the next token
         new_text = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        before = len(self.text)
         self.text += new_text
         if not check_stop:
             return None
-        matches = [(at, stop) for stop in self.stop if (at := self.text.find(stop, start)) != -1]
+        # each stop string is looked for where it could end in the new text (as vLLM does)
+        found = ((self.text.find(stop, max(0, before - len(stop) + 1)), stop) for stop in self.stop)
+        matches = [(at, stop) for at, stop in found if at != -1]
         if not matches:
             return None
         at, stop = min(matches)  # the earliest stop string wins

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,10 @@ from kernels.metadata import cdiv
 from kernels.timing import scope
 
 log = logging.getLogger(__name__)
+
+# Forward passes failing this many times in a row mean the device (not a request) is broken: the
+# engine stops (AsyncEngine reports it dead), as vLLM's does on a device error.
+MAX_FAILED_STEPS = 3
 
 PromptType = str | list[int] | dict
 
@@ -75,6 +80,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._aborted: list[RequestOutput] = []
         self._failures: dict[str, BaseException] = {}  # request id -> why it failed, until take_failures()
+        self._failed_steps = 0  # forward passes that failed in a row
         self._ids = itertools.count()
         self._num_steps = self._num_computed = self._num_prompt = self._num_generated = 0
         self._waste_sum = 0.0
@@ -167,16 +173,21 @@ class LLMEngine:
     def abort_request(self, request_id: str, emit_output: bool = True) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (finish_reason "abort"), which the
         next step also emits unless emit_output is False; None for an unknown or finished request."""
-        parent = self.outputs.pop(request_id)
+        parent = self._discard(request_id)
         if parent is None:
             return None
-        for state in parent.states:
-            if not state.request.finished:
-                self.scheduler.finish(state.request, "abort")
         output = parent.output()
         if emit_output:
             self._aborted.append(output)
         return output
+
+    def _discard(self, request_id: str):
+        """Finish a user request's unfinished sequences as aborted, free their blocks, forget it."""
+        parent = self.outputs.pop(request_id)
+        for state in parent.states if parent else ():
+            if not state.request.finished:
+                self.scheduler.finish(state.request, "abort")
+        return parent
 
     def take_failures(self) -> dict[str, BaseException]:
         """Requests that failed since the last call (already aborted, blocks freed), with the error of each."""
@@ -190,7 +201,7 @@ class LLMEngine:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         log.error("request %s failed: %r", request_id, error)
-        self.abort_request(request_id, emit_output=False)
+        self._discard(request_id)  # no output: building it may be what failed
         self._failures[request_id] = error
 
     # -- profiling --------------------------------------------------------------------------------
@@ -210,10 +221,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.parents) or bool(self._aborted)
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.outputs.parents)
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -249,12 +256,17 @@ class LLMEngine:
             for s in scheduled
         ]
         try:
-            return self.runner.execute(chunks)
+            logits = self.runner.execute(chunks)
         except Exception as e:
             log.exception("forward pass failed")
             for parent_id in dict.fromkeys(self.outputs.parent_of(s.request).request_id for s in scheduled):
                 self._fail(parent_id, e)
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:  # the device, not a request: stop the engine
+                raise RuntimeError(f"{self._failed_steps} forward passes in a row failed; last: {e!r}") from e
             return None
+        self._failed_steps = 0
+        return logits
 
     def _sample(self, scheduled: list[ScheduledRequest], logits) -> dict[str, SampledToken]:
         """Sequence request id -> its sampled token. If the batch fails, each row is sampled alone, and only the
@@ -263,10 +275,14 @@ class LLMEngine:
         if not requests:
             return {}
         with scope("sample"):
+            # a failed batch may have drawn from seeded generators: rewind them, so seeded samples stay the same
+            seeded = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
             try:
                 return {r.request_id: token for r, token in zip(requests, sample(logits, requests))}
             except Exception:
                 log.exception("sampling a batch failed; sampling its rows one by one")
+            for generator, state in seeded:
+                generator.set_state(state)
             sampled = {}
             for row, request in enumerate(requests):
                 try:
@@ -328,10 +344,13 @@ class LLMEngine:
 
 
 def _token_ids(ids) -> list[int]:
-    """A prompt given as token ids: a list of ints, or a ValueError saying what it is instead."""
+    """A prompt given as token ids (any integers: Python, numpy, torch): a list of ints, or a ValueError."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ValueError(f"prompt token ids must be a list of ints, got {type(ids).__name__}")
     ids = list(ids)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError("prompt token ids must be a list of ints")
-    return ids
+    try:
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError("a bool is not a token id")
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt token ids must be a list of ints") from None

@@ -55,9 +55,9 @@ class LLM:
                 if output.finished:
                     done[output.request_id] = output
             failures = self.engine.take_failures()
-            failed = [i for i in ids if i in failures]
-            if failed:
-                raise RequestFailedError(f"request {failed[0]} failed: {failures[failed[0]]!r}") from failures[failed[0]]
+            failed = next((i for i in ids if i in failures), None)
+            if failed is not None:
+                raise RequestFailedError(f"request {failed} failed: {failures[failed]!r}") from failures[failed]
         return [done[i] for i in ids]
 
     def chat(

@@ -35,8 +35,8 @@ class RequestState:
         stopped_by_token = request.finished and request.finish_reason == "stop"
         if stopped_by_token and not request.params.include_stop_str_in_output:
             return None  # the stop token's text is not part of the output
-        with scope("detokenize"):
-            return self.detokenizer.add_token(sampled.token_id, check_stop=request.can_stop)
+        with scope("detokenize"):  # a sequence a stop token ended is not also ended by a stop string
+            return self.detokenizer.add_token(sampled.token_id, check_stop=request.can_stop and not stopped_by_token)
 
     def completion(self) -> CompletionOutput:
         request = self.request

@@ -124,7 +124,8 @@ class Request:
 
     @property
     def can_stop(self) -> bool:
-        """The output is longer than min_tokens: only now do stop tokens and stop strings count (as in vLLM)."""
+        """The output is longer than min_tokens: only now do stop strings count (as in vLLM), and stop tokens
+        (vLLM checks >= min_tokens, which is the same since the sampler masks stop tokens until then)."""
         return self.num_output_tokens > self.params.min_tokens
 
     def append_output_token(self, token_id: int) -> None:

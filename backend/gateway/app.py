@@ -92,14 +92,19 @@ async def until_disconnected(request: Request, work):
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except asyncio.CancelledError:  # this handler itself is cancelled (the server shutting down): so is the work
+        task.cancel()
         watcher.cancel()
-        if not task.done():  # the client left, or this handler itself was cancelled
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientDisconnect()
-    return task.result()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    if not watcher.cancelled():
+        watcher.exception()  # retrieved: a failed receive counts as a disconnect
+    task.cancel()  # the client left first
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnect()
 
 
 def _load_tokenizer(name_or_path: str):
