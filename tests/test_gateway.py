@@ -10,10 +10,11 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.engine.tokenizer import chat_prompt_ids
+from backend.models.registry import DEFAULT_MODEL
 from tests.conftest import GATEWAY_API_KEY, TRITON_ENGINE_ARGS, free_port, start_gateway
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL  # the name the gateway serves it under
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name two planets."}]
 
 

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,10 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend import LLM, SamplingParams
+from backend.models.registry import DEFAULT_MODEL
 from tests.conftest import GATEWAY_API_KEY, TRITON_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL  # the name the gateway serves it under
 AUTH = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
 STREAM_PROMPTS = ["Tell me about the sea.", "List three fruits.", "What is rain?", "Describe a cat."]
 STREAM_TOKENS = 24
@@ -130,6 +130,7 @@ def _body_bytes(body) -> bytes:
 RAW_BODIES = [
     b"", b"null", b"[]", b'"text"', b"{", b"\xff\xfe\xfa", b'{"model": "\xff"}', b"[" * 50_000 + b"]" * 50_000,
     b'{"a":' * 20_000 + b"1" + b"}" * 20_000, b'{"model": "' + MODEL.encode() + b'", "messages": NaN}',
+    b'{"model": "' + b"x" * 300_000 + b'"}',  # over the test gateway's --max-body-bytes: 413
 ]
 gateway_request = st.one_of(
     *(st.tuples(st.just(path), _mutated(base, fields).map(_body_bytes)) for path, (base, fields) in BASES.items()),

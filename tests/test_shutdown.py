@@ -15,11 +15,12 @@ import httpx
 import psutil
 import pytest
 
+from backend.models.registry import DEFAULT_MODEL
 from backend.triton.launcher import DEFAULT_REPOSITORY, REPO_ROOT
 from tests.conftest import GATEWAY_API_KEY, free_port, start_gateway
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL  # the name the gateway serves it under
 AUTH = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
 SIGTERM_BOUND_S = 15
 
