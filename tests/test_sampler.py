@@ -92,9 +92,13 @@ def test_logprobs_are_raw_whatever_the_processing():
         [out] = sample(logits, [_request(output=(4, 4), logprobs=3, **params)])
         top3 = expected.topk(3).indices.tolist()
         assert set(top3) | {out.token_id} == set(out.logprobs), params
+        assert next(iter(out.logprobs)) == out.token_id  # the sampled token first
         for tid, lp in out.logprobs.items():
-            assert math.isclose(lp, expected[tid].item(), abs_tol=1e-5), params
+            assert math.isclose(lp.logprob, expected[tid].item(), abs_tol=1e-5), params
+            assert lp.rank == int((expected > expected[tid]).sum()) + 1, params  # true 1-based rank
         assert math.isclose(out.logprob, expected[out.token_id].item(), abs_tol=1e-5)
+    [only] = sample(logits, [_request(temperature=1.0, seed=5, logprobs=0)])
+    assert list(only.logprobs) == [only.token_id]  # logprobs=0: the sampled token alone
 
 
 def test_sampling_leaves_the_logits_as_they_were():

@@ -11,6 +11,7 @@ import itertools
 import logging
 import operator
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._failures: dict[str, BaseException] = {}  # request id -> why it failed, until take_failures()
         self._failed_steps = 0  # forward passes that failed in a row
+        # tokens of each recent step, for vllm:iteration_tokens_total (read and drained by another thread)
+        self.iteration_tokens: deque[int] = deque(maxlen=4096)
         self._ids = itertools.count()
         self._num_steps = self._num_computed = self._num_prompt = self._num_generated = 0
         self._waste_sum = 0.0
@@ -320,8 +323,10 @@ class LLMEngine:
 
     def _account(self, scheduled: list[ScheduledRequest], num_generated: int) -> None:
         self._num_steps += 1
-        self._num_computed += sum(s.num_new_tokens for s in scheduled)
+        step_tokens = sum(s.num_new_tokens for s in scheduled)
+        self._num_computed += step_tokens
         self._num_generated += num_generated
+        self.iteration_tokens.append(step_tokens)
         running = self.scheduler.running
         allocated = sum(len(self.kv.block_ids(r)) for r in running) * self.config.block_size
         used = sum(r.num_computed_tokens for r in running)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput
+from backend.engine.request import CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput
 from backend.engine.sampler import SampledToken
 from kernels.timing import scope
 
@@ -23,13 +23,16 @@ class RequestState:
         self.index = index
         self.parent = parent
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.params)
-        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
+        self.tokenizer = tokenizer
         self.cumulative_logprob = 0.0
 
     def add(self, sampled: SampledToken) -> str | None:
         """Take the sequence's new token; returns the stop string it completed, if any."""
         request = self.request
         if self.logprobs is not None:
+            for token_id, logprob in sampled.logprobs.items():  # each token's own text, as vLLM gives it
+                logprob.decoded_token = self.tokenizer.decode([token_id])
             self.logprobs.append(sampled.logprobs)
             self.cumulative_logprob += sampled.logprob
         stopped_by_token = request.finished and request.finish_reason == "stop"
@@ -68,12 +71,14 @@ class ParentRequest:
         children = [s.request for s in self.states]
         first = children[0]
         first_times = [c.first_token_time for c in children if c.first_token_time]
+        scheduled_times = [c.scheduled_time for c in children if c.scheduled_time]
         finish_times = [c.finish_time for c in children if c.finish_time]
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_token_time=min(first_times) if first_times else None,
             finish_time=max(finish_times) if self.finished and finish_times else None,
             num_cached_tokens=first.num_cached_tokens,
+            scheduled_time=min(scheduled_times) if scheduled_times else None,
         )
         with scope("detokenize"):  # the output takes each sequence's new text from its detokenizer
             outputs = [s.completion() for s in self.states]

@@ -103,6 +103,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_ids)
         self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.arrival_time = time.time()
+        self.scheduled_time: float | None = None  # first admitted to a step
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
@@ -141,6 +142,16 @@ class Request:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position, as vLLM's: the value, its rank (1 = the most likely token)
+    and the token's own text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str  # everything generated so far (stop string cut unless asked for)
@@ -149,7 +160,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    # per generated token: token id -> Logprob, the sampled token first, then the top `logprobs` alternatives
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -162,6 +174,7 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_cached_tokens: int
+    scheduled_time: float | None = None  # first admitted to a step: queue time ends, prefill begins
 
 
 @dataclass

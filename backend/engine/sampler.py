@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.request import Request
+from backend.engine.request import Logprob, Request
 
 
 @dataclass
 class SampledToken:
     token_id: int
-    logprobs: dict[int, float] | None = None  # when asked for: the sampled token and the top alternatives
+    # when asked for: the sampled token first, then the top `logprobs` alternatives (decoded_token still None)
+    logprobs: dict[int, Logprob] | None = None
     logprob: float = 0.0  # the sampled token's (0.0 when logprobs were not asked for)
 
 
@@ -45,16 +46,19 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
 
     sampled = [SampledToken(token) for token in tokens.tolist()]
     if logprobs_all is not None:
-        chosen = logprobs_all.gather(1, tokens[:, None])[:, 0].tolist()
+        chosen_values = logprobs_all.gather(1, tokens[:, None])
+        chosen_ranks = ((logprobs_all > chosen_values).sum(dim=-1) + 1).tolist()  # 1 + tokens more likely
+        chosen = chosen_values[:, 0].tolist()
         k = max(p.logprobs or 0 for p in params)
         top_values, top_ids = logprobs_all.topk(k, dim=-1) if k else (None, None)
         for row, p in enumerate(params):
             if p.logprobs is None:
                 continue
-            entry = {sampled[row].token_id: chosen[row]}
+            entry = {sampled[row].token_id: Logprob(chosen[row], chosen_ranks[row])}
             if p.logprobs:
-                for tid, lp in zip(top_ids[row, : p.logprobs].tolist(), top_values[row, : p.logprobs].tolist()):
-                    entry.setdefault(tid, lp)
+                top = zip(top_ids[row, : p.logprobs].tolist(), top_values[row, : p.logprobs].tolist())
+                for rank, (tid, lp) in enumerate(top, start=1):
+                    entry.setdefault(tid, Logprob(lp, rank))
             sampled[row].logprobs, sampled[row].logprob = entry, chosen[row]
     return sampled
 

@@ -8,6 +8,7 @@ in the cache now, its sampled token is appended, and a stop token or its length 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -90,6 +91,7 @@ class Scheduler:
             if self.kv.enable_prefix_caching:
                 computing.update(self.kv.block_hashes(request, (num_cached + num_new) // self.kv.block_size))
             request.status = RequestStatus.RUNNING
+            request.scheduled_time = request.scheduled_time or time.time()
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new

@@ -336,29 +336,29 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
             await stream.aclose()
         return texts, logprobs, reasons, n_in, counts
 
-    def _token(token_id: int | str) -> str:
-        return tokenizer.decode([int(token_id)])
-
     def _chat_logprobs(entries: list[dict] | None, k: int | None) -> dict | None:
+        """OpenAI's chat logprobs from vLLM's shape (backend/triton/contract.py: the sampled token first)."""
         if entries is None:
             return None
 
-        def item(token_id, logprob):
-            token = _token(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        def item(lp: dict):
+            token = lp["decoded_token"]
+            return {"token": token, "logprob": lp["logprob"], "bytes": list(token.encode())}
 
         content = []
-        for e in entries:
-            top = sorted(e["top_logprobs"].items(), key=lambda kv: -kv[1])[: k or 0]
-            content.append({**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in top]})
+        for position in entries:
+            sampled, *_ = position.values()
+            top = sorted(position.values(), key=lambda lp: lp["rank"])[: k or 0]
+            content.append({**item(sampled), "top_logprobs": [item(lp) for lp in top]})
         return {"content": content}
 
     def _completion_logprobs(entries: list[dict] | None) -> dict | None:
         if entries is None:
             return None
-        return {"tokens": [_token(e["token_id"]) for e in entries],
-                "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{_token(t): lp for t, lp in e["top_logprobs"].items()} for e in entries],
+        sampled = [next(iter(position.values())) for position in entries]
+        return {"tokens": [lp["decoded_token"] for lp in sampled],
+                "token_logprobs": [lp["logprob"] for lp in sampled],
+                "top_logprobs": [{lp["decoded_token"]: lp["logprob"] for lp in position.values()} for position in entries],
                 "text_offset": None}
 
     # -- the rest ---------------------------------------------------------------------------------

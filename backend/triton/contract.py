@@ -113,11 +113,15 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
 
     stream_input = _scalar(inputs.get("stream"))
     stream_param = values.pop("stream", False)
-    stream = bool(stream_input) if stream_input is not None else _as_bool(stream_param, "stream")
+    stream = bool(stream_input) if stream_input is not None else bool(_as_bool(stream_param, "stream"))
     flags = {}
     for name in FLAGS:
         value = _scalar(inputs.get(name))
-        flags[name] = bool(value) if value is not None else _as_bool(values.pop(name, False), name)
+        flags[name] = bool(value) if value is not None else _as_bool(values.pop(name, None), name)
+    # vllm_backend: a streaming request never echoes its prompt, and asking it to is an error
+    if stream and flags["exclude_input_in_output"] is False:
+        raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
+    flags = {name: bool(value) for name, value in flags.items()}
     try:
         params = SamplingParams(**values)
     except ValueError as e:  # pydantic's message names each offending field
@@ -125,8 +129,9 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
     return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids, **flags)
 
 
-def _as_bool(value, name: str) -> bool:
-    if isinstance(value, bool):
+def _as_bool(value, name: str) -> bool | None:
+    """A flag's value; None when it was not given."""
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
@@ -164,10 +169,11 @@ def response_tensors(parsed: ParsedRequest, output: RequestOutput, sent_tokens: 
 
 
 def _logprobs(completion, start: int) -> list[dict] | None:
-    """Per generated token from `start` on: the sampled token's logprob and the top alternatives."""
+    """vLLM's shape, per generated token from `start` on: {token id: {"logprob", "rank", "decoded_token"}}, the
+    sampled token first (it is always there, with its true rank), then the top alternatives."""
     if completion.logprobs is None:
         return None
     return [
-        {"token_id": token, "logprob": entry[token], "top_logprobs": {str(t): lp for t, lp in entry.items()}}
-        for token, entry in zip(completion.token_ids[start:], completion.logprobs[start:])
+        {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+        for entry in completion.logprobs[start:]
     ]

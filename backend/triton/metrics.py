@@ -22,40 +22,97 @@ class RequestRecord:
     ttft_s: float | None
     tpot_s: float | None
     e2e_s: float
+    n: int = 1
+    max_tokens: int = 0
+    finish_reasons: tuple[str, ...] = ()  # one per sequence
+    queue_s: float | None = None  # arrival -> first scheduled
+    prefill_s: float | None = None  # first scheduled -> first token
+    decode_s: float | None = None  # first token -> finished
+    inference_s: float | None = None  # first scheduled -> finished
+
+
+def buckets_1_2_5(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+PARAMS_N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
+REQUEST_TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                        480.0, 960.0, 1920.0, 7680.0]
 
 
 class VllmMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str], stats_fn, info: dict[str, str]):
+    def __init__(self, pb_utils, labels: dict[str, str], stats_fn, info: dict[str, str], max_model_len: int,
+                 cache_info: dict[str, str], take_iteration_tokens):
         Family = pb_utils.MetricFamily
         # Keep every family referenced: a collected family invalidates its metrics.
         self.families = []
 
-        def family(name, description, kind, **metric_args):
+        def new_family(name, description, kind):
             fam = Family(name=name, description=description, kind=kind)
             self.families.append(fam)
-            return fam.Metric(labels=labels, **metric_args)
+            return fam
 
+        def family(name, description, kind, **metric_args):
+            return new_family(name, description, kind).Metric(labels=labels, **metric_args)
+
+        def histogram(name, description, buckets):
+            return family(name, description, Family.HISTOGRAM, buckets=buckets)
+
+        token_buckets = buckets_1_2_5(max_model_len)
         self.prompt_tokens = family("vllm:prompt_tokens_total", "Number of prefill tokens processed.", Family.COUNTER)
         self.generation_tokens = family(
             "vllm:generation_tokens_total", "Number of generation tokens processed.", Family.COUNTER
         )
-        self.ttft = family("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                           Family.HISTOGRAM, buckets=LATENCY_BUCKETS)
-        self.tpot = family("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-                           Family.HISTOGRAM, buckets=TPOT_BUCKETS)
-        self.e2e = family("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                          Family.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.preemptions = family("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.",
+                                  Family.COUNTER)
+        success = new_family("vllm:request_success_total", "Count of successfully processed requests.", Family.COUNTER)
+        self.success = {r: success.Metric(labels={**labels, "finished_reason": r}) for r in FINISH_REASONS}
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                             LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets)
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+                                           8192.0, 16384.0])
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", REQUEST_TIME_BUCKETS)
         self.running = family("vllm:num_requests_running", "Number of requests currently running.", Family.GAUGE)
         self.waiting = family("vllm:num_requests_waiting", "Number of requests waiting to be processed.", Family.GAUGE)
         self.kv_usage = family("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", Family.GAUGE)
         self.prefix_hit_rate = family(
             "vllm:prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens (0 to 1).", Family.GAUGE
         )
-        # What runs behind the endpoint (an info metric: the labels carry it, the value is 1).
-        info_family = Family(name="npu_llm:engine_info", description="Engine model and device.", kind=Family.GAUGE)
-        self.families.append(info_family)
-        info_family.Metric(labels={**labels, **info}).set(1)
+        # Info metrics: the labels carry the facts, the value is 1.
+        new_family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.", Family.GAUGE).Metric(
+            labels={**labels, **cache_info}).set(1)
+        new_family("npu_llm:engine_info", "Engine model and device.", Family.GAUGE).Metric(
+            labels={**labels, **info}).set(1)
         self._stats_fn = stats_fn
+        self._take_iteration_tokens = take_iteration_tokens
+        self._preemptions_seen = 0
         self._records: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="npu-llm-metrics", daemon=True)
@@ -75,18 +132,34 @@ class VllmMetrics:
                 r = self._records.get_nowait()
             except queue.Empty:
                 break
-            self.prompt_tokens.increment(r.prompt_tokens)
-            self.generation_tokens.increment(r.generation_tokens)
-            self.e2e.observe(r.e2e_s)
-            if r.ttft_s is not None:
-                self.ttft.observe(r.ttft_s)
-            if r.tpot_s is not None:
-                self.tpot.observe(r.tpot_s)
+            self._observe(r)
+        for tokens in self._take_iteration_tokens():
+            self.iteration_tokens.observe(tokens)
         stats = self._stats_fn()
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.increment(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+
+    def _observe(self, r: RequestRecord) -> None:
+        self.prompt_tokens.increment(r.prompt_tokens)
+        self.generation_tokens.increment(r.generation_tokens)
+        self.request_prompt_tokens.observe(r.prompt_tokens)
+        self.request_generation_tokens.observe(r.generation_tokens)
+        self.params_n.observe(r.n)
+        self.params_max_tokens.observe(r.max_tokens)
+        self.e2e.observe(r.e2e_s)
+        for reason in r.finish_reasons:
+            if reason in self.success:
+                self.success[reason].increment(1)
+        for histogram, value in ((self.ttft, r.ttft_s), (self.tpot, r.tpot_s), (self.queue_time, r.queue_s),
+                                 (self.prefill_time, r.prefill_s), (self.decode_time, r.decode_s),
+                                 (self.inference_time, r.inference_s)):
+            if value is not None:
+                histogram.observe(value)
 
     def close(self) -> None:
         self._stop.set()

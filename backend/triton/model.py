@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -41,6 +42,13 @@ from backend.triton.metrics import RequestRecord, VllmMetrics
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # finalize() waits this long, all requests together, for in-flight requests to send their last response.
 FINALIZE_WAIT_S = 5.0
+
+
+def _drain(items):
+    """A function taking everything queued in a deque so far (appended on another thread)."""
+    def take() -> list:
+        return [items.popleft() for _ in range(len(items))]
+    return take
 
 
 class _Sender:
@@ -83,7 +91,13 @@ class TritonPythonModel:
         if params.get("REPORT_CUSTOM_METRICS", {}).get("string_value", "").lower() == "true":
             labels = {"model": args["model_name"], "version": args["model_version"]}
             info = {"engine_model": config.model, "device": str(self.engine.engine.platform.device)}
-            self.metrics = VllmMetrics(pb_utils, labels, self.engine.stats, info)
+            engine = self.engine.engine
+            cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(engine.kv.num_blocks),
+                          "enable_prefix_caching": str(config.enable_prefix_caching),
+                          "cache_dtype": str(engine.model.dtype).removeprefix("torch."),
+                          "gpu_memory_utilization": str(config.gpu_memory_utilization)}
+            self.metrics = VllmMetrics(pb_utils, labels, self.engine.stats, info, config.max_model_len, cache_info,
+                                       _drain(engine.iteration_tokens))
 
         self._ids = itertools.count()
         self._inflight: set[asyncio.Future] = set()
@@ -154,14 +168,14 @@ class TritonPythonModel:
             if sender.cancelled or (not parsed.stream and sender.sender.is_cancelled()):
                 self.logger.log_info(f"[npu-llm] request {request_id} cancelled")
                 self.engine.abort(request_id)
-                self._record(output)
+                self._record(output, parsed, cancelled=True)
                 self._send_error(sender, "Request was cancelled", pb_utils.TritonError.CANCELLED)
                 return
             if parsed.stream:
                 self._queue_response(sender, response_tensors(parsed, output, sent_tokens), output.finished)
         if not parsed.stream:
             self._queue_response(sender, response_tensors(parsed, output, sent_tokens), True)
-        self._record(output)
+        self._record(output, parsed)
 
     async def _admin(self, action: str, sender: _Sender) -> None:
         """start_profile / stop_profile; the answer is one JSON text_output."""
@@ -178,16 +192,29 @@ class TritonPythonModel:
         self.logger.log_info(f"[npu-llm] {action} done")
         self._queue_response(sender, {"text_output": np.array([json.dumps(result).encode()], dtype=np.object_)}, True)
 
-    def _record(self, output) -> None:
+    def _record(self, output, parsed: ParsedRequest, cancelled: bool = False) -> None:
+        """The request's figures for vLLM's per-request metrics (phases as vLLM splits them)."""
         if self.metrics is None or output is None:
             return
         m = output.metrics
-        end = m.finish_time or m.first_token_time or m.arrival_time
+        end = m.finish_time or time.time()
         generated = sum(len(c.token_ids) for c in output.outputs)
         tokens = max((len(c.token_ids) for c in output.outputs), default=0)
-        tpot = (end - m.first_token_time) / (tokens - 1) if m.first_token_time and tokens > 1 else None
-        ttft = m.first_token_time - m.arrival_time if m.first_token_time else None
-        self.metrics.record(RequestRecord(len(output.prompt_token_ids), generated, ttft, tpot, end - m.arrival_time))
+
+        def span(start, stop):
+            return stop - start if start and stop else None
+
+        prompt_len = len(output.prompt_token_ids)
+        self.metrics.record(RequestRecord(
+            prompt_tokens=prompt_len, generation_tokens=generated,
+            ttft_s=span(m.arrival_time, m.first_token_time),
+            tpot_s=span(m.first_token_time, end) / (tokens - 1) if m.first_token_time and tokens > 1 else None,
+            e2e_s=end - m.arrival_time, n=parsed.params.n,
+            max_tokens=parsed.params.max_tokens or self.engine.config.max_model_len - prompt_len,
+            finish_reasons=tuple("abort" if cancelled else str(c.finish_reason) for c in output.outputs),
+            queue_s=span(m.arrival_time, m.scheduled_time), prefill_s=span(m.scheduled_time, m.first_token_time),
+            decode_s=span(m.first_token_time, end), inference_s=span(m.scheduled_time, end),
+        ))
 
     # -- responses --------------------------------------------------------------------------------
 

@@ -1,0 +1,201 @@
+"""Conformance with Triton vllm_backend's I/O contract, on the real tritonserver: every combination of the
+return_* flags x logprobs in {none, 0, 2} x stream on/off, checked against the engine's own values; the
+streaming echo refusal; and vLLM's metric families, checked by value under a known load.
+
+Written from the assertions of vllm_backend's own CI (L0_additional_outputs_vllm, L0_backend_vllm
+enabled_stream and metrics_test), not copied from it.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import threading
+import time
+import urllib.request
+from functools import partial
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from backend import LLM, SamplingParams
+from tests.conftest import TRITON_ENGINE_ARGS
+
+pytestmark = pytest.mark.slow
+PROMPT = "The three primary colours are"
+MAX_TOKENS = 5
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                "return_num_output_tokens")
+FLAG_OUTPUT = {"return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
+               "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
+               "return_num_output_tokens": "num_output_tokens"}
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    return LLM(**TRITON_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_llm):
+    """The engine's own greedy run, with 2 alternatives per token."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    [out] = reference_llm.generate(PROMPT, params)
+    return out
+
+
+def _infer(server, flags: dict, params: dict, stream: bool):
+    """All responses of one request, each as {output name: numpy value}; or the error text."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype, triton_type):
+        t = grpcclient.InferInput(name, [1], triton_type)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        return t
+
+    inputs = [tensor("text_input", PROMPT.encode(), np.object_, "BYTES"),
+              tensor("stream", stream, bool, "BOOL"),
+              tensor("sampling_parameters", json.dumps(params).encode(), np.object_, "BYTES")]
+    inputs += [tensor(name, value, bool, "BOOL") for name, value in flags.items()]
+    responses, errors, done = [], [], threading.Event()
+
+    def collect(result, error):
+        if error is not None:
+            errors.append(str(error))
+            done.set()
+            return
+        names = [o.name for o in result.get_response().outputs]
+        if names:
+            responses.append({n: result.as_numpy(n) for n in names})
+        if result.get_response().parameters.get("triton_final_response").bool_param:
+            done.set()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(collect))
+    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    assert done.wait(120), "no final response"
+    client.stop_stream()
+    client.close()
+    return responses, errors
+
+
+FLAG_SETS = [dict(zip(RETURN_FLAGS, values)) for values in itertools.product([False, True], repeat=len(RETURN_FLAGS))]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("logprobs", [None, 0, 2], ids=["no-logprobs", "logprobs-0", "logprobs-2"])
+def test_every_flag_combination_answers_as_vllm_backend_does(triton_server, reference, reference_llm, stream,
+                                                              logprobs):
+    expected = reference.outputs[0]
+    tokenizer = reference_llm.get_tokenizer()
+    params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    for flags in FLAG_SETS:
+        responses, errors = _infer(triton_server, {**flags, "exclude_input_in_output": True}, params, stream)
+        assert not errors, (flags, errors)
+        wanted = {"text_output"} | {FLAG_OUTPUT[f] for f, on in flags.items() if on}
+        assert all(set(r) == wanted for r in responses), (flags, [set(r) for r in responses])
+        assert len(responses) >= (2 if stream else 1) and (stream or len(responses) == 1)
+        texts = [r["text_output"][0].decode() for r in responses]
+        assert "".join(texts) == expected.text
+
+        if flags["return_finish_reason"]:
+            reasons = [r["finish_reason"][0].decode() for r in responses]
+            assert reasons[-1] == "length" and all(x == "None" for x in reasons[:-1]), reasons
+        if flags["return_num_input_tokens"]:
+            assert all(int(r["num_input_tokens"].reshape(-1)[0]) == len(reference.prompt_token_ids) for r in responses)
+        counts = [int(r["num_output_tokens"][0]) for r in responses] if flags["return_num_output_tokens"] else None
+        if counts is not None:
+            assert sum(counts) == MAX_TOKENS and all(c >= 0 for c in counts)
+        if flags["return_cumulative_logprob"]:
+            cumulative = [float(r["cumulative_logprob"][0]) for r in responses]
+            if logprobs is None:  # not asked for: vLLM reports none (0 here, as a float tensor must hold a number)
+                assert all(c == 0 for c in cumulative)
+            else:
+                assert math.isclose(cumulative[-1], expected.cumulative_logprob, abs_tol=1e-3)
+                # raw logprobs: each streamed response's new tokens lower it, greedy or not (vllm_backend's check)
+                assert all(later < earlier for earlier, later in zip(cumulative, cumulative[1:]))
+        if flags["return_logprobs"]:
+            entries = [json.loads(r["logprobs"][0]) for r in responses]
+            if logprobs is None:
+                assert all(e is None for e in entries)
+                continue
+            positions = [p for e in entries for p in e]
+            assert len(positions) == MAX_TOKENS
+            if counts is not None:
+                assert [len(e) for e in entries] == counts
+            for position, token, reference_position in zip(positions, expected.token_ids, expected.logprobs):
+                assert next(iter(position)) == str(token)  # the sampled token first, always present
+                assert len(position) == (1 if logprobs == 0 else len(reference_position))
+                for token_id, lp in position.items():
+                    ref = reference_position[int(token_id)]
+                    assert math.isclose(lp["logprob"], ref.logprob, abs_tol=1e-4)
+                    assert lp["rank"] == ref.rank >= 1
+                    assert lp["decoded_token"] == tokenizer.decode([int(token_id)])
+                assert position[str(token)]["rank"] == 1  # greedy: the most likely token
+
+
+def test_streaming_with_the_prompt_echoed_is_refused_as_vllm_backend_refuses_it(triton_server):
+    params = {"temperature": 0, "max_tokens": 3}
+    _, errors = _infer(triton_server, {"exclude_input_in_output": False}, params, stream=True)
+    assert errors and "When streaming, `exclude_input_in_output` = False is not allowed." in errors[0]
+    responses, errors = _infer(triton_server, {}, params, stream=True)  # not given: the prompt is simply not echoed
+    assert not errors and not "".join(r["text_output"][0].decode() for r in responses).startswith(PROMPT)
+    responses, errors = _infer(triton_server, {"exclude_input_in_output": False}, params, stream=False)
+    assert not errors and responses[0]["text_output"][0].decode().startswith(PROMPT)
+
+
+def _samples(server) -> dict[tuple, float]:
+    """(name, frozenset of labels without model/version) -> value, for every vllm: sample on /metrics."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("vllm:"):
+                labels = frozenset((k, v) for k, v in s.labels.items() if k not in ("model", "version"))
+                values[(s.name, labels)] = s.value
+    return values
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_vllm_metric_families_count_a_known_load(triton_server):
+    triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0)
+    time.sleep(1.5)  # earlier requests' records flushed
+    before = _samples(triton_server)
+    load = [({"max_tokens": 4, "n": 1}, 4), ({"max_tokens": 6, "n": 2}, 12), ({"max_tokens": 3, "n": 1}, 3)]
+    prompt_tokens = 0
+    for params, _ in load:
+        responses, errors = _infer(triton_server, {"return_num_input_tokens": True},
+                                   {"temperature": 0.7, "seed": 1, "ignore_eos": True, **params}, stream=False)
+        assert not errors
+        prompt_tokens += int(responses[0]["num_input_tokens"].reshape(-1)[0])
+    generated = sum(tokens for _, tokens in load)
+    deadline = time.monotonic() + 10
+    while _value(_samples(triton_server), "vllm:request_params_n_count") < _value(before, "vllm:request_params_n_count") + 3:
+        assert time.monotonic() < deadline, "request records not flushed"
+        time.sleep(0.2)
+    after = _samples(triton_server)
+
+    def delta(name, **labels):
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="length") == 4  # one per sequence
+    assert delta("vllm:request_prompt_tokens_count") == 3 and delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("vllm:request_generation_tokens_count") == 3
+    assert delta("vllm:request_generation_tokens_sum") == generated
+    assert delta("vllm:request_params_n_count") == 3 and delta("vllm:request_params_n_sum") == 4
+    assert delta("vllm:request_params_max_tokens_sum") == 13
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 3, phase
+        assert delta(f"vllm:request_{phase}_time_seconds_sum") >= 0, phase
+    assert delta("vllm:request_inference_time_seconds_sum") >= delta("vllm:request_decode_time_seconds_sum")
+    assert delta("vllm:iteration_tokens_total_count") >= max(tokens for _, tokens in load) // 2
+    assert delta("vllm:iteration_tokens_total_sum") >= generated
+    assert ("vllm:num_preemptions_total", frozenset()) in after
+    info = [labels for (name, labels) in after if name == "vllm:cache_config_info"]
+    assert info and dict(info[0])["block_size"] == "16" and dict(info[0])["enable_prefix_caching"] == "True"
