@@ -15,6 +15,7 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from backend.models.registry import resolve_model
+from backend.triton.model_json import parse_model_json
 from backend.triton.launcher import (
     DEFAULT_REPOSITORY,
     LaunchError,
@@ -120,7 +121,7 @@ def checked_engine_args(args) -> tuple[Path, dict, EngineConfig]:
         engine_args["model"] = args.model
     model_json = repository / "llm" / "1" / "model.json"
     base = json.loads(model_json.read_text()) if model_json.exists() else {}
-    config = EngineConfig.from_dict({**base, **engine_args})
+    config = parse_model_json({**base, **engine_args}).config
     resolve_model(config.model)
     return repository, engine_args, config
 

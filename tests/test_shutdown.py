@@ -4,6 +4,7 @@ service (readiness false, 503) instead of leaving requests to hang."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import signal
 import subprocess
 import sys
@@ -149,14 +150,22 @@ class TritonPythonModel(_Served):
 '''
 
 
-def test_a_dead_engine_is_out_of_service_within_seconds(tmp_path):
+def test_a_dead_engine_is_out_of_service_within_seconds(tmp_path, default_model_dir):
+    """Also a repository as vllm_backend users write it: vLLM's model.json keys with the model pointed at a
+    local folder, and its config parameters (metrics off, health check on)."""
     repository = tmp_path / "repository"
     (repository / "llm" / "1").mkdir(parents=True)
-    (repository / "llm" / "config.pbtxt").write_text((DEFAULT_REPOSITORY / "llm" / "config.pbtxt").read_text())
-    (repository / "llm" / "1" / "model.json").write_text(
-        (DEFAULT_REPOSITORY / "llm" / "1" / "model.json").read_text())
+    config = (DEFAULT_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    (repository / "llm" / "config.pbtxt").write_text(
+        config.replace('key: "REPORT_CUSTOM_METRICS"\n  value: { string_value: "true" }',
+                       'key: "REPORT_CUSTOM_METRICS"\n  value: { string_value: "false" }'))
+    (repository / "llm" / "1" / "model.json").write_text(json.dumps(
+        {"model": str(default_model_dir), "disable_log_requests": True, "gpu_memory_utilization": 0.5,
+         "enforce_eager": True}))
     (repository / "llm" / "1" / "model.py").write_text(FAULT_MODEL.format(root=str(REPO_ROOT)))
     served = Served(repository, tmp_path / "serve.log")
+    metrics = httpx.get(f"http://127.0.0.1:{served.metrics}/metrics", timeout=5).text
+    assert "vllm:" not in metrics  # REPORT_CUSTOM_METRICS false
     gateway_port = free_port()
     gateway = start_gateway(f"127.0.0.1:{served.grpc}", gateway_port, tmp_path / "gateway.log")
     url = f"http://127.0.0.1:{gateway_port}"

@@ -25,7 +25,6 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine, EngineDeadError
 from backend.triton.contract import (
     ENGINE_UNAVAILABLE,
@@ -38,10 +37,17 @@ from backend.triton.contract import (
     response_tensors,
 )
 from backend.triton.metrics import RequestRecord, VllmMetrics
+from backend.triton.model_json import parse_model_json
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # finalize() waits this long, all requests together, for in-flight requests to send their last response.
 FINALIZE_WAIT_S = 5.0
+
+
+def _bool_parameter(parameters: dict, key: str, default: bool) -> bool:
+    """A config.pbtxt parameter holding "true" or "false"."""
+    value = parameters.get(key, {}).get("string_value")
+    return default if value is None else value.strip().lower() == "true"
 
 
 def _drain(items):
@@ -80,15 +86,17 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         model_dir = os.path.join(args["model_repository"], args["model_version"])
         with open(os.path.join(model_dir, "model.json")) as f:
-            engine_args = json.load(f)
-        config = EngineConfig.from_dict(engine_args)  # unknown keys fail the load, named
+            model_json = parse_model_json(json.load(f))  # vLLM's key names work; what can't be honoured fails, named
+        config = model_json.config
         self._model_name = args["model_name"]
+        params = self.model_config.get("parameters", {})
+        # vllm_backend's switch; on by default here, since a dead engine should never look ready
+        self._health_check = _bool_parameter(params, "ENABLE_VLLM_HEALTH_CHECK", default=True)
         self.engine = AsyncEngine.from_config(config, on_dead=self._engine_died)
         self.logger.log_info(f"[npu-llm] engine ready: {config.model} on {self.engine.engine.platform.device}")
 
         self.metrics = None
-        params = self.model_config.get("parameters", {})
-        if params.get("REPORT_CUSTOM_METRICS", {}).get("string_value", "").lower() == "true":
+        if _bool_parameter(params, "REPORT_CUSTOM_METRICS", default=False) and not model_json.disable_log_stats:
             labels = {"model": args["model_name"], "version": args["model_version"]}
             info = {"engine_model": config.model, "device": str(self.engine.engine.platform.device)}
             engine = self.engine.engine
@@ -242,7 +250,10 @@ class TritonPythonModel:
 
     def _engine_died(self, error: BaseException) -> None:
         """On the engine's thread, once: take the model out of service, so readiness says what happened."""
-        self.logger.log_error(f"[npu-llm] the engine stopped, unloading model {self._model_name}: {error!r}")
+        self.logger.log_error(f"[npu-llm] the engine stopped: {error!r}")
+        if not self._health_check:
+            return  # ENABLE_VLLM_HEALTH_CHECK false: requests get UNAVAILABLE, readiness is left alone
+        self.logger.log_error(f"[npu-llm] unloading model {self._model_name}")
         try:
             pb_utils.unload_model(self._model_name)  # non-blocking; needs --model-control-mode=explicit
         except Exception as e:

@@ -1,0 +1,52 @@
+"""`1/model.json` as vllm_backend users write it: vLLM's engine-argument names, mapped onto EngineConfig.
+
+Most names are the same in both (model, tokenizer, dtype, max_model_len, max_num_seqs, block_size,
+gpu_memory_utilization, enforce_eager, enable_prefix_caching, ...). The rest: a key we honour differently
+is mapped, a key with no effect here is accepted, and a value we cannot honour fails the load, named.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from backend.config import EngineConfig
+
+# vLLM keys that change nothing here: what they switch off is off in npu-llm anyway.
+NO_EFFECT = {
+    "disable_log_requests": "npu-llm never logs request contents",
+    "enable_log_requests": "npu-llm never logs request contents",
+    "trust_remote_code": "only npu-llm's built-in architectures run; no code from the checkpoint is executed",
+    "swap_space": "preempted requests are recomputed, never swapped",
+    "disable_custom_all_reduce": "a single device needs no all-reduce",
+}
+# vLLM keys honoured only at one value (the one that is npu-llm's behaviour).
+ONLY = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "kv_cache_dtype": "auto",
+    "quantization": None,
+    "load_format": "auto",
+}
+
+
+@dataclass
+class ModelJson:
+    config: EngineConfig
+    disable_log_stats: bool = False  # vLLM's switch for the engine's metrics (vllm_backend honours it too)
+
+
+def parse_model_json(values: dict) -> ModelJson:
+    """EngineConfig from model.json; ValueError naming every key or value that cannot be honoured."""
+    ours = {f.name for f in fields(EngineConfig)}
+    engine_args, problems = {}, []
+    for key, value in values.items():
+        if key in ours:
+            engine_args[key] = value
+        elif key in ONLY:
+            if value != ONLY[key]:
+                problems.append(f"{key}={value!r} (npu-llm supports only {ONLY[key]!r})")
+        elif key not in NO_EFFECT and key != "disable_log_stats":
+            problems.append(f"{key} (unknown)")
+    if problems:
+        raise ValueError(f"model.json: cannot honour {', '.join(problems)}; engine arguments: {', '.join(sorted(ours))}")
+    return ModelJson(EngineConfig.from_dict(engine_args), bool(values.get("disable_log_stats", False)))
