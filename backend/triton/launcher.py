@@ -51,6 +51,11 @@ def find_tritonserver(work_dir: Path) -> Tritonserver:
     for source in (bundle / "backends" / "python" / "libtriton_python.so",
                    bundle / "backends" / "python" / "triton_python_backend_utils.py", stub):
         shutil.copy2(source, python_dir / source.name)
+    # npu-llm also answers to Triton's backend name "vllm" (a python-based backend: backends/vllm/model.py),
+    # so model repositories written for vllm_backend (backend: "vllm", no model.py) run unchanged.
+    vllm_dir = work_dir / "backends" / "vllm"
+    vllm_dir.mkdir(parents=True, exist_ok=True)
+    (vllm_dir / "model.py").symlink_to(DEFAULT_REPOSITORY / "llm" / "1" / "model.py")
     libs = [sysconfig.get_config_var("LIBDIR"), str(bundle.parent.parent / "nvidia_pytriton.libs")]
     if os.environ.get("LD_LIBRARY_PATH"):
         libs.append(os.environ["LD_LIBRARY_PATH"])
