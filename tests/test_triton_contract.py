@@ -199,3 +199,19 @@ def test_vllm_metric_families_count_a_known_load(triton_server):
     assert ("vllm:num_preemptions_total", frozenset()) in after
     info = [labels for (name, labels) in after if name == "vllm:cache_config_info"]
     assert info and dict(info[0])["block_size"] == "16" and dict(info[0])["enable_prefix_caching"] == "True"
+
+
+def test_the_grafana_dashboard_queries_only_metrics_we_export(triton_server):
+    """docs/grafana/npu-llm.json: every metric a query names is on Triton's /metrics, with the label it filters on."""
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[1] / "docs" / "grafana" / "npu-llm.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries.append(dashboard["templating"]["list"][0]["query"])
+    named = {m for q in queries for m in re.findall(r"vllm:[a-z0-9_]+", q)}
+    _infer(triton_server, {}, {"temperature": 0, "max_tokens": 2}, stream=False)  # every family has a sample
+    exported = {name for name, _ in _samples(triton_server)}
+    assert named and named <= exported, sorted(named - exported)
+    text = urllib.request.urlopen(triton_server.metrics_url, timeout=5).read().decode()
+    assert all('model="llm"' in line for line in text.splitlines() if line.startswith("vllm:"))
