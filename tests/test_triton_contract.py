@@ -111,8 +111,8 @@ def test_every_flag_combination_answers_as_vllm_backend_does(triton_server, refe
             assert sum(counts) == MAX_TOKENS and all(c >= 0 for c in counts)
         if flags["return_cumulative_logprob"]:
             cumulative = [float(r["cumulative_logprob"][0]) for r in responses]
-            if logprobs is None:  # not asked for: vLLM reports none (0 here, as a float tensor must hold a number)
-                assert all(c == 0 for c in cumulative)
+            if logprobs is None:  # not asked for: vLLM has none, which a float tensor carries as NaN
+                assert all(math.isnan(c) for c in cumulative)
             else:
                 assert math.isclose(cumulative[-1], expected.cumulative_logprob, abs_tol=1e-3)
                 # raw logprobs: each streamed response's new tokens lower it, greedy or not (vllm_backend's check)
@@ -185,6 +185,10 @@ def test_vllm_metric_families_count_a_known_load(triton_server):
         return _value(after, name, **labels) - _value(before, name, **labels)
 
     assert delta("vllm:request_success_total", finished_reason="length") == 4  # one per sequence
+    sequences = 4
+    assert delta("vllm:time_to_first_token_seconds_count") == delta("vllm:e2e_request_latency_seconds_count") == 3
+    # as vLLM: one observation per gap between two tokens of a sequence
+    assert delta("vllm:time_per_output_token_seconds_count") == generated - sequences
     assert delta("vllm:request_prompt_tokens_count") == 3 and delta("vllm:request_prompt_tokens_sum") == prompt_tokens
     assert delta("vllm:request_generation_tokens_count") == 3
     assert delta("vllm:request_generation_tokens_sum") == generated

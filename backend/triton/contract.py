@@ -13,7 +13,8 @@ import numpy as np
 from backend.engine.request import RequestOutput, SamplingParams
 
 # Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
-INVALID_REQUEST = "invalid request: "
+# vllm_backend's own prefix for a request's errors, so that its clients read ours the same way.
+INVALID_REQUEST = "Error generating stream: "
 # Prefix of the error message when the engine cannot take requests: stopped, or shutting down (HTTP 503).
 ENGINE_UNAVAILABLE = "engine unavailable: "
 
@@ -153,7 +154,9 @@ def response_tensors(parsed: ParsedRequest, output: RequestOutput, sent_tokens: 
     if parsed.return_finish_reason:
         tensors["finish_reason"] = np.array([str(c.finish_reason).encode() for c in completions], dtype=np.object_)
     if parsed.return_cumulative_logprob:
-        tensors["cumulative_logprob"] = np.array([c.cumulative_logprob or 0.0 for c in completions], dtype=np.float32)
+        # NaN when the request asked for no logprobs: vLLM has none then (its None, in a float tensor)
+        tensors["cumulative_logprob"] = np.array(
+            [np.nan if c.cumulative_logprob is None else c.cumulative_logprob for c in completions], dtype=np.float32)
     if parsed.return_num_input_tokens:
         tensors["num_input_tokens"] = np.array([len(output.prompt_token_ids)], dtype=np.uint32)
     counts = [len(c.token_ids) for c in completions]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 REFRESH_S = 0.5
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
@@ -20,7 +21,6 @@ class RequestRecord:
     prompt_tokens: int
     generation_tokens: int
     ttft_s: float | None
-    tpot_s: float | None
     e2e_s: float
     n: int = 1
     max_tokens: int = 0
@@ -29,6 +29,27 @@ class RequestRecord:
     prefill_s: float | None = None  # first scheduled -> first token
     decode_s: float | None = None  # first token -> finished
     inference_s: float | None = None  # first scheduled -> finished
+    inter_token_s: list[float] = field(default_factory=list)  # every gap between two tokens of one sequence
+
+
+class InterTokenTimes:
+    """The gaps between consecutive tokens of each sequence of a request, as its outputs arrive: what vLLM's
+    vllm:time_per_output_token_seconds observes (one observation per token after a sequence's first)."""
+
+    def __init__(self):
+        self.intervals: list[float] = []
+        self._last: dict[int, tuple[float, int]] = {}  # sequence index -> (time of its last token, tokens so far)
+
+    def update(self, output) -> None:
+        now = time.monotonic()
+        for completion in output.outputs:
+            last_time, seen = self._last.get(completion.index, (None, 0))
+            new = len(completion.token_ids) - seen
+            if new <= 0:
+                continue
+            if last_time is not None:  # several tokens in one output share the gap evenly
+                self.intervals += [(now - last_time) / new] * new
+            self._last[completion.index] = (now, len(completion.token_ids))
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -155,7 +176,9 @@ class VllmMetrics:
         for reason in r.finish_reasons:
             if reason in self.success:
                 self.success[reason].increment(1)
-        for histogram, value in ((self.ttft, r.ttft_s), (self.tpot, r.tpot_s), (self.queue_time, r.queue_s),
+        for gap in r.inter_token_s:
+            self.tpot.observe(gap)
+        for histogram, value in ((self.ttft, r.ttft_s), (self.queue_time, r.queue_s),
                                  (self.prefill_time, r.prefill_s), (self.decode_time, r.decode_s),
                                  (self.inference_time, r.inference_s)):
             if value is not None:

@@ -36,7 +36,7 @@ from backend.triton.contract import (
     parse_request,
     response_tensors,
 )
-from backend.triton.metrics import RequestRecord, VllmMetrics
+from backend.triton.metrics import InterTokenTimes, RequestRecord, VllmMetrics
 from backend.triton.model_json import parse_model_json
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -172,18 +172,20 @@ class TritonPythonModel:
     async def _generate(self, parsed: ParsedRequest, request_id: str, sender: _Sender) -> None:
         sent_tokens = [0] * parsed.params.n
         output = None
+        gaps = InterTokenTimes()
         async for output in self.engine.generate(parsed.engine_prompt, parsed.params, request_id):
+            gaps.update(output)
             if sender.cancelled or (not parsed.stream and sender.sender.is_cancelled()):
                 self.logger.log_info(f"[npu-llm] request {request_id} cancelled")
                 self.engine.abort(request_id)
-                self._record(output, parsed, cancelled=True)
+                self._record(output, parsed, gaps, cancelled=True)
                 self._send_error(sender, "Request was cancelled", pb_utils.TritonError.CANCELLED)
                 return
             if parsed.stream:
                 self._queue_response(sender, response_tensors(parsed, output, sent_tokens), output.finished)
         if not parsed.stream:
             self._queue_response(sender, response_tensors(parsed, output, sent_tokens), True)
-        self._record(output, parsed)
+        self._record(output, parsed, gaps)
 
     async def _admin(self, action: str, sender: _Sender) -> None:
         """start_profile / stop_profile; the answer is one JSON text_output."""
@@ -200,14 +202,13 @@ class TritonPythonModel:
         self.logger.log_info(f"[npu-llm] {action} done")
         self._queue_response(sender, {"text_output": np.array([json.dumps(result).encode()], dtype=np.object_)}, True)
 
-    def _record(self, output, parsed: ParsedRequest, cancelled: bool = False) -> None:
+    def _record(self, output, parsed: ParsedRequest, gaps: InterTokenTimes, cancelled: bool = False) -> None:
         """The request's figures for vLLM's per-request metrics (phases as vLLM splits them)."""
         if self.metrics is None or output is None:
             return
         m = output.metrics
         end = m.finish_time or time.time()
         generated = sum(len(c.token_ids) for c in output.outputs)
-        tokens = max((len(c.token_ids) for c in output.outputs), default=0)
 
         def span(start, stop):
             return stop - start if start and stop else None
@@ -215,13 +216,12 @@ class TritonPythonModel:
         prompt_len = len(output.prompt_token_ids)
         self.metrics.record(RequestRecord(
             prompt_tokens=prompt_len, generation_tokens=generated,
-            ttft_s=span(m.arrival_time, m.first_token_time),
-            tpot_s=span(m.first_token_time, end) / (tokens - 1) if m.first_token_time and tokens > 1 else None,
-            e2e_s=end - m.arrival_time, n=parsed.params.n,
+            ttft_s=span(m.arrival_time, m.first_token_time), e2e_s=end - m.arrival_time, n=parsed.params.n,
             max_tokens=parsed.params.max_tokens or self.engine.config.max_model_len - prompt_len,
             finish_reasons=tuple("abort" if cancelled else str(c.finish_reason) for c in output.outputs),
             queue_s=span(m.arrival_time, m.scheduled_time), prefill_s=span(m.scheduled_time, m.first_token_time),
             decode_s=span(m.first_token_time, end), inference_s=span(m.scheduled_time, end),
+            inter_token_s=gaps.intervals,
         ))
 
     # -- responses --------------------------------------------------------------------------------
