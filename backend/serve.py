@@ -119,10 +119,13 @@ def checked_engine_args(args) -> tuple[Path, dict, EngineConfig]:
     engine_args = parse_engine_args(args.engine_arg or [])
     if args.model:
         engine_args["model"] = args.model
-    model_json = repository / "llm" / "1" / "model.json"
-    base = json.loads(model_json.read_text()) if model_json.exists() else {}
-    config = parse_model_json({**base, **engine_args}).config
-    resolve_model(config.model)
+    # every model's model.json, as the run copy will have it (llm/1 first: its config is the one printed)
+    found = sorted(repository.glob("*/[0-9]*/model.json"), key=lambda p: p.parts[-3:] != ("llm", "1", "model.json"))
+    configs = [parse_model_json({**json.loads(p.read_text()), **engine_args}).config for p in found]
+    configs = configs or [parse_model_json(engine_args).config]
+    for config in configs:
+        resolve_model(config.model)
+    config = configs[0]
     return repository, engine_args, config
 
 

@@ -18,13 +18,13 @@ from kernels.timing import scope
 class RequestState:
     """One sequence's output side: its detokenizer and the logprobs it has collected."""
 
-    def __init__(self, request: Request, index: int, parent: "ParentRequest", tokenizer):
+    def __init__(self, request: Request, index: int, parent: "ParentRequest", tokenizer, token_text):
         self.request = request
         self.index = index
         self.parent = parent
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.params)
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
-        self.tokenizer = tokenizer
+        self.token_text = token_text
         self.cumulative_logprob = 0.0
 
     def add(self, sampled: SampledToken) -> str | None:
@@ -32,7 +32,7 @@ class RequestState:
         request = self.request
         if self.logprobs is not None:
             for token_id, logprob in sampled.logprobs.items():  # each token's own text, as vLLM gives it
-                logprob.decoded_token = self.tokenizer.decode([token_id])
+                logprob.decoded_token = self.token_text(token_id)
             self.logprobs.append(sampled.logprobs)
             self.cumulative_logprob += sampled.logprob
         stopped_by_token = request.finished and request.finish_reason == "stop"
@@ -52,6 +52,7 @@ class RequestState:
             stop_reason=request.stop_reason,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,  # a snapshot, not the live list
+            last_token_time=request.last_token_time,
         )
 
 
@@ -90,10 +91,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentRequest] = {}
         self.states: dict[str, RequestState] = {}  # sequence (child) request id -> its state
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token), bounded by the vocabulary
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
         parent = ParentRequest(request_id, prompt, [])
-        parent.states = [RequestState(child, i, parent, self.tokenizer) for i, child in enumerate(children)]
+        parent.states = [RequestState(child, i, parent, self.tokenizer, self.token_text)
+                         for i, child in enumerate(children)]
         self.parents[request_id] = parent
         for state in parent.states:
             self.states[state.request.request_id] = state

@@ -105,6 +105,7 @@ class Request:
         self.arrival_time = time.time()
         self.scheduled_time: float | None = None  # first admitted to a step
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finish_time: float | None = None
 
     @property
@@ -131,8 +132,9 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.last_token_time = time.time()
         if self.first_token_time is None:
-            self.first_token_time = time.time()
+            self.first_token_time = self.last_token_time
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED
@@ -162,6 +164,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # per generated token: token id -> Logprob, the sampled token first, then the top `logprobs` alternatives
     logprobs: list[dict[int, Logprob]] | None = None
+    last_token_time: float | None = None  # when the engine produced this sequence's latest token
 
     @property
     def finished(self) -> bool:

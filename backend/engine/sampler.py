@@ -47,7 +47,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     sampled = [SampledToken(token) for token in tokens.tolist()]
     if logprobs_all is not None:
         chosen_values = logprobs_all.gather(1, tokens[:, None])
-        chosen_ranks = ((logprobs_all > chosen_values).sum(dim=-1) + 1).tolist()  # 1 + tokens more likely
+        chosen_ranks = (logprobs_all >= chosen_values).sum(dim=-1).tolist()  # vLLM's: tokens at least as likely
         chosen = chosen_values[:, 0].tolist()
         k = max(p.logprobs or 0 for p in params)
         top_values, top_ids = logprobs_all.topk(k, dim=-1) if k else (None, None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 REFRESH_S = 0.5
@@ -33,23 +32,22 @@ class RequestRecord:
 
 
 class InterTokenTimes:
-    """The gaps between consecutive tokens of each sequence of a request, as its outputs arrive: what vLLM's
-    vllm:time_per_output_token_seconds observes (one observation per token after a sequence's first)."""
+    """The gaps between consecutive tokens of each sequence of a request, timed when the engine produced them:
+    what vLLM's vllm:time_per_output_token_seconds observes (one observation per token after a sequence's
+    first). The engine emits every step's output, so each output brings at most one new token per sequence."""
 
     def __init__(self):
         self.intervals: list[float] = []
         self._last: dict[int, tuple[float, int]] = {}  # sequence index -> (time of its last token, tokens so far)
 
     def update(self, output) -> None:
-        now = time.monotonic()
         for completion in output.outputs:
             last_time, seen = self._last.get(completion.index, (None, 0))
-            new = len(completion.token_ids) - seen
-            if new <= 0:
+            if len(completion.token_ids) <= seen or completion.last_token_time is None:
                 continue
-            if last_time is not None:  # several tokens in one output share the gap evenly
-                self.intervals += [(now - last_time) / new] * new
-            self._last[completion.index] = (now, len(completion.token_ids))
+            if last_time is not None:
+                self.intervals.append(completion.last_token_time - last_time)
+            self._last[completion.index] = (completion.last_token_time, len(completion.token_ids))
 
 
 def buckets_1_2_5(limit: int) -> list[float]:

@@ -5,9 +5,10 @@ coroutine on our asyncio loop (its own thread), reading an AsyncEngine stream (t
 steps on a third thread). Responses go out through a sender thread, since a send may block
 on IPC; that thread also notices cancelled requests, which the coroutine then aborts.
 
-If the engine dies, the model unloads itself (as vllm_backend's health check does), so
-Triton's model readiness turns false; that needs --model-control-mode=explicit, which
-`npu-llm serve` uses. Under any mode, requests from then on get UNAVAILABLE at once.
+If the engine dies, the model unloads itself (as vllm_backend's health check does, with
+ENABLE_VLLM_HEALTH_CHECK, on by default here), so Triton's model readiness turns false; that
+needs --model-control-mode=explicit, which `npu-llm serve` uses. Under any mode, requests from
+then on get UNAVAILABLE at once.
 """
 from __future__ import annotations
 
@@ -218,7 +219,8 @@ class TritonPythonModel:
             prompt_tokens=prompt_len, generation_tokens=generated,
             ttft_s=span(m.arrival_time, m.first_token_time), e2e_s=end - m.arrival_time, n=parsed.params.n,
             max_tokens=parsed.params.max_tokens or self.engine.config.max_model_len - prompt_len,
-            finish_reasons=tuple("abort" if cancelled else str(c.finish_reason) for c in output.outputs),
+            finish_reasons=tuple((c.finish_reason or "abort") if cancelled else str(c.finish_reason)
+                                 for c in output.outputs),
             queue_s=span(m.arrival_time, m.scheduled_time), prefill_s=span(m.scheduled_time, m.first_token_time),
             decode_s=span(m.first_token_time, end), inference_s=span(m.scheduled_time, end),
             inter_token_s=gaps.intervals,

@@ -29,6 +29,10 @@ ONLY = {
 }
 
 
+# vLLM's aliases for dtypes that EngineConfig spells out.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+
+
 @dataclass
 class ModelJson:
     config: EngineConfig
@@ -41,12 +45,16 @@ def parse_model_json(values: dict) -> ModelJson:
     engine_args, problems = {}, []
     for key, value in values.items():
         if key in ours:
-            engine_args[key] = value
+            engine_args[key] = DTYPE_ALIASES.get(value, value) if key == "dtype" else value
         elif key in ONLY:
             if value != ONLY[key]:
                 problems.append(f"{key}={value!r} (npu-llm supports only {ONLY[key]!r})")
-        elif key not in NO_EFFECT and key != "disable_log_stats":
+        elif key == "disable_log_stats":
+            if not isinstance(value, bool):
+                problems.append(f"disable_log_stats={value!r} (true or false)")
+        elif key not in NO_EFFECT:
             problems.append(f"{key} (unknown)")
     if problems:
-        raise ValueError(f"model.json: cannot honour {', '.join(problems)}; engine arguments: {', '.join(sorted(ours))}")
-    return ModelJson(EngineConfig.from_dict(engine_args), bool(values.get("disable_log_stats", False)))
+        accepted = sorted(ours | set(ONLY) | set(NO_EFFECT) | {"disable_log_stats"})
+        raise ValueError(f"model.json: cannot honour {', '.join(problems)}; accepted keys: {', '.join(accepted)}")
+    return ModelJson(EngineConfig.from_dict(engine_args), values.get("disable_log_stats", False))
