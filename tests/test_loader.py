@@ -94,3 +94,23 @@ def test_default_model_resolves_offline(default_model_dir):
     config = json.loads((default_model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
     assert (default_model_dir / "tokenizer.json").exists()
+
+
+def test_weights_are_materialised_in_the_target_dtype(tiny_llama_dir):
+    """No float32 copy of the weights exists on the device on the way to bf16: the caching allocator of an
+    accelerator would keep its freed blocks reserved, memory the KV cache then lacks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Materialisations(TorchDispatchMode):
+        dtypes: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty_like.default and out.device.type != "meta":
+                self.dtypes.add(out.dtype)
+            return out
+
+    with Materialisations() as seen:
+        model, _, _ = load_model(tiny_llama_dir, OPS, "cpu", "bfloat16")
+    assert seen.dtypes == {torch.bfloat16}
+    assert model.dtype == torch.bfloat16

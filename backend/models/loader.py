@@ -90,7 +90,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
         module = LlamaForCausalLM(config, ops)
-    module = module.to_empty(device=device).to(torch_dtype)
+    # Cast while still on meta, so the device never holds a float32 copy of the weights (freed fp32
+    # blocks would stay reserved by the caching allocator and count against the KV cache).
+    module = module.to(torch_dtype).to_empty(device=device)
     _load_weights(module, _checkpoint_files(model_dir))
     module.pack_weights()
     module.init_rope(max_model_len or max_model_len_of(config))
