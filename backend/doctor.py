@@ -94,8 +94,39 @@ def check_torch_npu() -> tuple[list[Check], bool]:
     checks.append(Check("torch.npu.is_available()", OK if available else FAIL,
                         f"{torch.npu.device_count()} device(s)" if available else "False",
                         "" if available else "check npu-smi, the device files and ASCEND_RT_VISIBLE_DEVICES"))
+    if available:
+        checks += [check_atb_ops(), check_chip(), check_rope_statics()]
     checks.append(check_npu_graphs(torch_npu))
     return checks, available
+
+
+def check_atb_ops() -> Check:
+    from backend.npu_host import NpuHostError, load_atb_ops
+
+    try:
+        load_atb_ops()
+    except NpuHostError as e:
+        return Check("ATB ops (CANN NNAL)", FAIL, e.problem[:160], e.fix)
+    return Check("ATB ops (CANN NNAL)", OK, "libatb loaded (the _npu_* attention, cache and rotary ops)")
+
+
+def check_chip() -> Check:
+    import torch
+
+    from backend.npu_host import NpuHostError, check_chip as refuse_unsupported
+
+    name = torch.npu.get_device_name()
+    try:
+        refuse_unsupported(name)
+    except NpuHostError as e:
+        return Check("NPU chip", FAIL, e.problem, e.fix)
+    return Check("NPU chip", OK, name)
+
+
+def check_rope_statics() -> Check:
+    # kernels/npu.py refuses a second rope table in one process; Triton runs each model instance in its own.
+    return Check("one rope table per process", OK,
+                 "each Triton model instance is its own process; offline, build one LLM per process")
 
 
 def check_npu_graphs(torch_npu) -> Check:

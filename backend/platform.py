@@ -77,7 +77,11 @@ def resolve_platform(device: str = "auto") -> Platform:
         raise RuntimeError("device npu requested but torch_npu is not installed or sees no Ascend NPU")
     index = int(device.split(":")[1]) if ":" in device else 0
     if name == "npu":
+        from backend.npu_host import check_chip, load_atb_ops
+
         torch.npu.set_device(index)
+        check_chip(torch.npu.get_device_name(index))
+        load_atb_ops()
         return Platform(name, _npu_device(index))
     return Platform(name, torch.device(name, index) if name != "cpu" else torch.device("cpu"))
 

@@ -9,6 +9,8 @@ Only fp16 and bf16 run on these ops; block size must be 128.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch_npu
 
@@ -46,13 +48,37 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def rotary_embedding(positions, query, key, cos_sin_cache):
     # RopeAtb.cpp: _npu_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size,
     #                                    Tensor cos_sin_cache, bool is_neox_style) -> (); q/k contiguous [T, N*D],
-    # rotated in place (VA rope_forward_oot). The op caches its cos/sin tables in process-global state on
-    # the first call, so one process serves one rope configuration.
+    # rotated in place (VA rope_forward_oot).
+    _claim_rope_table(cos_sin_cache)
     num_tokens, num_heads, head_dim = query.shape
     q = query.reshape(num_tokens, -1).contiguous()
     k = key.reshape(num_tokens, -1).contiguous()
     torch_npu._npu_rotary_embedding(positions.to(torch.int64), q, k, head_dim, cos_sin_cache, True)
     return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, -1, head_dim)
+
+
+# The rotary op builds its cos/sin tables from the first cos_sin_cache it is given and keeps them in
+# process-global statics, ignoring every later table (RopeAtb.cpp, op-plugin 7.0.0 through master).
+# A second model in the process, or a longer max_model_len, would be rotated with the first table:
+# refuse any table that is not the first one or a prefix of it.
+_rope_table: torch.Tensor | None = None
+_rope_tables_seen: list[weakref.ref] = []  # tables already checked, by identity (tensors compare elementwise)
+
+
+def _claim_rope_table(table: torch.Tensor) -> None:
+    global _rope_table
+    if any(seen() is table for seen in _rope_tables_seen):
+        return
+    if _rope_table is None:
+        _rope_table = table
+    elif not (table.shape[1:] == _rope_table.shape[1:] and len(table) <= len(_rope_table)
+              and torch.equal(table.cpu(), _rope_table[: len(table)].cpu())):
+        raise RuntimeError(
+            "torch_npu's _npu_rotary_embedding keeps the rope table of the first model it ran for the life of "
+            f"the process ({list(_rope_table.shape)}), and this model's differs ({list(table.shape)}): serve "
+            "each model, or each longer max_model_len, in its own process"
+        )
+    _rope_tables_seen[:] = [seen for seen in _rope_tables_seen if seen() is not None] + [weakref.ref(table)]
 
 
 def paged_attention(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):

@@ -44,6 +44,12 @@ def test_with_torch_npu_installed(tmp_path):
     assert " OK " in _row(ready.stdout, "torch.npu.is_available()")
     assert " OK " in _row(ready.stdout, "CANN environment")
     assert " OK " in _row(ready.stdout, "NPU graph mode")
+    assert " OK " in _row(ready.stdout, "ATB ops (CANN NNAL)") and "Ascend910B3" in _row(ready.stdout, "NPU chip")
+    broken = _doctor(env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann), "FAKE_NPU_NNAL": "0",
+                          "FAKE_NPU_SOC": "Ascend310P3"})
+    assert broken.returncode == 1
+    assert " FAIL " in _row(broken.stdout, "ATB ops (CANN NNAL)") and "fix: install CANN's NNAL" in broken.stdout
+    assert " FAIL " in _row(broken.stdout, "NPU chip") and "fix: serve on Atlas A2/A3" in broken.stdout
     env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")}
     no_cann = subprocess.run([sys.executable, "-m", "backend.cli", "doctor"], capture_output=True, text=True,
                              timeout=180, env={**env, "PYTHONPATH": pythonpath})

@@ -51,6 +51,42 @@ def test_platform_on_npu(fake_npu):
     assert resolve_platform("auto").name == "npu"  # auto prefers the NPU
 
 
+def test_a_host_without_nnal_fails_at_start_not_mid_request(fake_npu, monkeypatch):
+    """torch_npu imports without CANN NNAL and raises at the first ATB op; npu-llm loads the ops up front."""
+    from backend.npu_host import NpuHostError
+    from backend.platform import resolve_platform
+
+    monkeypatch.setenv("FAKE_NPU_NNAL", "0")
+    with pytest.raises(OSError, match="nnal package"):  # what a request would have met
+        fake_npu._npu_reshape_and_cache(key=None, value=None, key_cache=None, value_cache=None, slot_indices=None)
+    with pytest.raises(NpuHostError, match="libatb.so.*source /usr/local/Ascend/nnal/atb/set_env.sh"):
+        resolve_platform("npu")
+
+
+def test_atlas_inference_chips_are_refused(fake_npu, monkeypatch):
+    from backend.npu_host import NpuHostError
+    from backend.platform import resolve_platform
+
+    monkeypatch.setenv("FAKE_NPU_SOC", "Ascend310P3")
+    with pytest.raises(NpuHostError, match="Ascend310P3 is an Atlas inference chip.*float16.*Ascend910B"):
+        resolve_platform("npu")
+
+
+@pytest.mark.slow
+def test_a_second_rope_table_in_one_process_is_refused(fake_npu):
+    """The rotary op keeps the first rope table it sees for the life of the process: an engine with a longer
+    table must not start (its positions past the first table would be rotated with garbage), an equal or
+    shorter one may."""
+    from backend import LLM, SamplingParams
+
+    args = dict(device="npu", dtype="bfloat16", num_kv_blocks=4, max_num_seqs=1)
+    first = LLM(max_model_len=256, **args)
+    LLM(max_model_len=200, **args)  # a prefix of the cached table: rotated correctly
+    with pytest.raises(RuntimeError, match="keeps the rope table of the first model.*own process"):
+        LLM(max_model_len=512, **args)
+    assert first.generate(["1, 2,"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+
+
 def test_ops_reject_what_the_real_ops_reject(fake_npu):
     from kernels import AttentionMetadata, npu
 

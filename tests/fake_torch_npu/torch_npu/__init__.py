@@ -7,6 +7,7 @@ block sizes, and the exact causal masks vllm-ascend builds. A wrong call raises,
 op would fail. Tensors live on the CPU: `backing_device_type` tells npu-llm's platform so.
 Graph capture and replay (torch.npu.NPUGraph, task-group updates) live in _graphs.py.
 
+The host it plays has CANN NNAL and an Ascend910B3 unless FAKE_NPU_NNAL=0 or FAKE_NPU_SOC say otherwise.
 Only tests put this package on sys.path (tests/test_npu_contract.py).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kernels.metadata import AttentionMetadata, cdiv
 
 from . import _graphs
 from . import profiler
+from .op_plugin.atb import _atb_ops
 
 backing_device_type = "cpu"
 __version__ = ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0.post1"  # built for this torch
@@ -38,6 +40,8 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _count(name: str) -> None:
+    if name.startswith("_npu_"):  # the ATB ops: torch_npu loads their library on first use
+        _atb_ops._register_atb_extensions()
     calls[name] = calls.get(name, 0) + 1
 
 
@@ -82,6 +86,9 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
     return y, torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + epsilon), summed
 
 
+_rope_tables: dict[str, torch.Tensor] = {}  # the op's process-global cos/sin statics (RopeAtb.cpp)
+
+
 def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
     name = "_npu_rotary_embedding"
     _count(name)
@@ -89,9 +96,16 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
     _require(query.dim() == 2 and key.dim() == 2, f"{name}: query/key must be [T, N*head_size]")
     _require(query.is_contiguous() and key.is_contiguous(), f"{name}: query/key must be contiguous (written in place)")
     _require(query.shape[1] % head_size == 0 and key.shape[1] % head_size == 0, f"{name}: head_size mismatch")
+    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_size,
+             f"{name}: cos_sin_cache must be [max_position, head_size={head_size}], got {tuple(cos_sin_cache.shape)}")
     _require(is_neox_style, f"{name}: only neox style is used here")
+    # The real op builds its cos/sin tables from the first cos_sin_cache it is given, keeps them in
+    # static variables for the life of the process and ignores every later table: so does the fake.
+    table = _rope_tables.setdefault("cos_sin", cos_sin_cache.detach().clone())
+    if len(positions) and not _graphs.is_capturing():  # (a capture cannot read device values back)
+        _require(int(positions.max()) < table.shape[0], f"{name}: position beyond the cached table's {table.shape[0]} rows")
     q, k = torch_ref.rotary_embedding(positions, query.view(len(positions), -1, head_size),
-                                      key.view(len(positions), -1, head_size), cos_sin_cache.to(query.dtype))
+                                      key.view(len(positions), -1, head_size), table.to(query.dtype))
     query.copy_(q.reshape(query.shape))
     key.copy_(k.reshape(key.shape))
 
@@ -104,8 +118,14 @@ def _check_paged(name, query, key_cache, value_cache, num_kv_heads, num_heads, b
     _require(block_table.dtype == torch.int32, f"{name}: block_table must be int32")
     block_size = key_cache.shape[1]
     _require(block_size % 16 == 0 and block_size <= 128, f"{name}: block_size must be a multiple of 16, <= 128")
-    _require(key_cache.shape[2] == num_kv_heads and query.shape[1] == num_heads, f"{name}: head counts mismatch")
-    _require(num_heads % num_kv_heads == 0, f"{name}: num_heads must be a multiple of num_kv_heads")
+    _require(key_cache.shape[2] == num_kv_heads, f"{name}: key_cache holds {key_cache.shape[2]} heads, not {num_kv_heads}")
+    _check_heads(name, query, num_heads, num_kv_heads, out)
+
+
+def _check_heads(name, query, num_heads, num_kv_heads, out):
+    _require(query.dim() == 3 and query.shape[1] == num_heads, f"{name}: query must be [T, num_heads={num_heads}, D]")
+    _require(num_kv_heads > 0 and num_heads % num_kv_heads == 0, f"{name}: num_heads must be a multiple of num_kv_heads")
+    _require(0 < query.shape[2] <= 256, f"{name}: head_dim must be in (0, 256], got {query.shape[2]}")
     _require(out.is_contiguous() and out.shape == query.shape, f"{name}: out must be contiguous, shaped like query")
 
 
@@ -149,6 +169,8 @@ def _npu_flash_attention(*, query, key, value, mask, seq_len, scale_value, num_h
     name = "_npu_flash_attention"
     _count(name)
     _half(name, query, key, value, mask, out)
+    _check_heads(name, query, num_heads, num_kv_heads, out)
+    _require(key.shape[1] == num_kv_heads, f"{name}: key holds {key.shape[1]} heads, not {num_kv_heads}")
     _cpu_int32(name, "seq_len", seq_len)
     lens = seq_len.tolist()
     _require(sum(lens) == query.shape[0] == key.shape[0], f"{name}: sum(seq_len) must equal the token count")
@@ -200,6 +222,8 @@ npu.current_device = lambda: 0
 npu.set_device = lambda device: None
 npu.synchronize = lambda device=None: None
 npu.empty_cache = lambda: None
+# The chip's name, as aclrtGetSocName reports it (FAKE_NPU_SOC to play another chip).
+npu.get_device_name = lambda device=None: os.environ.get("FAKE_NPU_SOC", "Ascend910B3")
 
 
 def _mem_get_info(device=None):
