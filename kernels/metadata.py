@@ -7,7 +7,7 @@ call per chunk.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -20,6 +20,17 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass
+class GraphCapture:
+    """What the layers of one decode graph share while it is captured."""
+
+    # Kernels whose attention op takes host arguments append a function that re-issues it with
+    # the step's context lengths before each replay.
+    updates: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
+    # The attention op's scratch memory: the layers run one after another, so one serves them all.
+    workspace: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence in this step
     context_lens: list[int]  # KV length per sequence after this step (cached + new)
@@ -28,9 +39,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused tail entries are 0
     context_lens_tensor: torch.Tensor  # [num_seqs] int32
-    # Set (to a list) only while a decode graph is captured: kernels whose attention op takes host
-    # arguments append a function that re-issues it with new context lengths before each replay.
-    graph_updates: list[Callable[[torch.Tensor], None]] | None = None
+    graph_capture: GraphCapture | None = None  # set only while a decode graph is captured
 
     @classmethod
     def build(

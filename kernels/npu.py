@@ -14,7 +14,7 @@ import weakref
 import torch
 import torch_npu
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, GraphCapture
 from kernels.timing import scope
 from kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
 
@@ -100,10 +100,10 @@ def paged_attention(query, key, value, key_cache, value_cache, metadata: Attenti
             args = dict(query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
                         num_heads=num_heads, scale_value=scale, block_table=metadata.block_tables,
                         context_lens=context_lens, out=out)
-            if metadata.graph_updates is None:
+            if metadata.graph_capture is None:
                 torch_npu._npu_paged_attention(**args)
             else:
-                _capture_paged_attention(args, metadata.graph_updates)
+                _capture_paged_attention(args, metadata.graph_capture)
         elif metadata.num_decodes == 0 and q_lens == ctx_lens:
             # SelfAttentionAtb.cpp _npu_flash_attention(query, key, value, mask, seq_len, float scale_value,
             #                                           int num_heads, int num_kv_heads, Tensor(a!) out); mask [S, S]
@@ -133,22 +133,24 @@ def paged_attention(query, key, value, key_cache, value_cache, metadata: Attenti
     return out
 
 
-def _capture_paged_attention(args: dict, graph_updates: list) -> None:
+def _capture_paged_attention(args: dict, capture: GraphCapture) -> None:
     """Capture the decode op as a task group that can be re-issued with new context lengths.
 
     The op reads context_lens as host data, which a captured graph would freeze, so it is
     issued inside graph_task_group_begin/end and, before each replay, re-issued with the
     step's lengths inside graph_task_update_begin/end (vllm-ascend compilation/acl_graph.py
-    _update_attn_pa_params). Under capture the op needs a preallocated workspace, sized by the
-    capture's (longest) lengths: the op-plugin master schema's `workspace=` and
-    _npu_paged_attention_get_workspace; torch_npu 2.5.1 (op-plugin 7.1.0) lacks both.
+    _update_attn_pa_params). Under capture the op needs a preallocated workspace (the op-plugin
+    master schema's `workspace=` and _npu_paged_attention_get_workspace; torch_npu 2.5.1, op-plugin
+    7.1.0, lacks both). One workspace serves every layer of the graph, as in vllm-ascend.
     """
     if not hasattr(torch_npu, "_npu_paged_attention_get_workspace"):
         raise RuntimeError(
             "NPU graph mode needs a torch_npu whose _npu_paged_attention takes a workspace "
             f"(torch_npu {getattr(torch_npu, '__version__', '?')} has none); run with enforce_eager=True"
         )
-    args["workspace"] = torch_npu._npu_paged_attention_get_workspace(**args)
+    if capture.workspace is None:
+        capture.workspace = graph_workspace(args)
+    args["workspace"] = capture.workspace
     stream = torch.npu.current_stream()
     torch.npu.graph_task_group_begin(stream)
     torch_npu._npu_paged_attention(**args)
@@ -160,7 +162,22 @@ def _capture_paged_attention(args: dict, graph_updates: list) -> None:
         torch_npu._npu_paged_attention(**{**args, "context_lens": context_lens})
         torch.npu.graph_task_update_end(stream)
 
-    graph_updates.append(update)
+    capture.updates.append(update)
+
+
+# vllm-ascend asks for the captured op's workspace at this context length for every sequence: the
+# op "only returns max workspace with specific seq_lens", and shorter ones can need more than
+# longer ones (model_runner_v1.py SEQ_LEN_WITH_MAX_PA_WORKSPACE).
+SEQ_LEN_WITH_MAX_PA_WORKSPACE = 6144
+
+
+def graph_workspace(args: dict) -> torch.Tensor:
+    """The decode op's workspace for a captured batch: the larger of the op's answers at
+    SEQ_LEN_WITH_MAX_PA_WORKSPACE and at the capture's own context lengths."""
+    batch = args["query"].shape[0]
+    at_6144 = {**args, "context_lens": torch.full((batch,), SEQ_LEN_WITH_MAX_PA_WORKSPACE, dtype=torch.int32)}
+    candidates = [torch_npu._npu_paged_attention_get_workspace(**a) for a in (at_6144, args)]
+    return max(candidates, key=lambda w: w.numel() * w.element_size())
 
 
 def decode_graph_widths(max_len: int, block_size: int) -> list[int]:

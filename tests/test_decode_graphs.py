@@ -72,4 +72,4 @@ def test_cuda_kernels_replayed_as_graphs_equal_eager(default_model_dir):
     assert graphs.widths == [32, 64, 128, 256] and len(graphs.graphs) == 3 * 4
     assert _greedy(runner, prompts, steps=20) == eager
     assert graphs.num_replays == 20  # three sequences on the 4-row graphs: one padding row
-    assert all(not captured.updates for captured in graphs.graphs.values())  # lengths live on the device
+    assert all(not captured.capture.updates for captured in graphs.graphs.values())  # lengths live on the device

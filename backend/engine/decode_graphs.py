@@ -9,7 +9,7 @@ shapes and addresses, so:
 - attention is captured for a context width (the kernels' decode_graph_widths); the narrowest that
   covers the batch's longest sequence is replayed, and batches longer than all of them run eagerly;
 - where the attention op takes context lengths as host data (the NPU), the kernels register an
-  update that re-issues it with the step's lengths before the replay (AttentionMetadata.graph_updates).
+  update that re-issues it with the step's lengths before the replay (GraphCapture.updates).
 Prefill and mixed steps always run eagerly.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from backend.platform import Platform
 from kernels import AttentionMetadata
-from kernels.metadata import cdiv
+from kernels.metadata import GraphCapture, cdiv
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class _Captured:
     graph: object
     hidden: torch.Tensor  # the graph's output: [batch size, hidden]
-    updates: list  # host-argument re-issues to run before each replay
+    capture: GraphCapture  # host-argument re-issues to run before each replay, the attention workspace
 
 
 class DecodeGraphs:
@@ -77,7 +77,7 @@ class DecodeGraphs:
                 graph, metadata = graph_class(), self._metadata(size, width, capturing=True)
                 with capturing(graph, pool=pool):
                     hidden = self._forward(size, metadata)
-                self.graphs[size, width] = _Captured(graph, hidden, metadata.graph_updates)
+                self.graphs[size, width] = _Captured(graph, hidden, metadata.graph_capture)
         self.platform.synchronize()
         log.info("captured %d decode graphs (batch sizes %s, context widths %s) in %.1f s", len(self.graphs),
                  self.batch_sizes, self.widths, time.perf_counter() - start)
@@ -99,7 +99,7 @@ class DecodeGraphs:
         self.block_tables[:size, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
         self.context_lens[:size].copy_(inputs.context_lens_tensor)
         captured = self.graphs[size, width]
-        for update in captured.updates:
+        for update in captured.capture.updates:
             update(inputs.context_lens_tensor)
         captured.graph.replay()
         self.num_replays += 1
@@ -111,7 +111,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             query_lens=[1] * size, context_lens=[width] * size, num_decodes=size, block_size=self.block_size,
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-            context_lens_tensor=self.context_lens[:size], graph_updates=[] if capturing else None,
+            context_lens_tensor=self.context_lens[:size], graph_capture=GraphCapture() if capturing else None,
         )
 
     def _forward(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:

@@ -145,18 +145,28 @@ def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_hea
     _cpu_int32(name, "context_lens", context_lens)
     _require(context_lens.shape == (query.shape[0],), f"{name}: one context length per query token")
     # Under graph capture the op cannot allocate its own workspace (vllm-ascend passes one it got from
-    # _npu_paged_attention_get_workspace for the captured shape).
+    # _npu_paged_attention_get_workspace), and a workspace given must hold what the op needs for these lengths.
     _require(workspace is not None or not _graphs.is_capturing(), f"{name}: a graph capture needs a workspace")
+    if workspace is not None:
+        needed = _workspace_bytes(num_heads, context_lens)
+        _require(workspace.numel() * workspace.element_size() >= needed,
+                 f"{name}: workspace of {workspace.numel() * workspace.element_size()} bytes, the op needs {needed}")
     md = _metadata([1] * query.shape[0], context_lens.tolist(), block_table, key_cache.shape[1])
     out.copy_(torch_ref.decode_attention(query, key_cache, value_cache, md, scale_value))
 
 
+def _workspace_bytes(num_heads: int, context_lens: torch.Tensor) -> int:
+    # The fake's stand-in for ATB's GetAtbWorkspaceSizeCmd: it grows with the context lengths given.
+    return 4 * num_heads * sum(context_lens.tolist())
+
+
 def _npu_paged_attention_get_workspace(*, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
                                        block_table, context_lens, out):
-    # Sized by the host context_lens it is given: capture with the longest lengths the graph will replay.
+    # PagedAttentionAtb.cpp: at::empty({workspace_size}, query.options().dtype(at::kByte)), sized by the
+    # host context_lens it is given.
     _count("_npu_paged_attention_get_workspace")
     _cpu_int32("_npu_paged_attention_get_workspace", "context_lens", context_lens)
-    return torch.empty(sum(context_lens.tolist()) * num_heads, dtype=torch.float32, device=query.device)
+    return torch.empty(_workspace_bytes(num_heads, context_lens), dtype=torch.uint8, device=query.device)
 
 
 def _causal_mask(q_lens, ctx_lens, columns, masked, dtype):
