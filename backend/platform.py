@@ -55,15 +55,6 @@ def npu_available() -> bool:
     return torch.npu.is_available()
 
 
-def _npu_device(index: int) -> torch.device:
-    import torch_npu
-
-    # A CPU-backed stand-in for torch_npu (the contract tests' fake) cannot make "npu" tensors and
-    # names the device its tensors live on instead; the real torch_npu registers "npu".
-    backing = getattr(torch_npu, "backing_device_type", None)
-    return torch.device(backing) if backing else torch.device("npu", index)
-
-
 def resolve_platform(device: str = "auto") -> Platform:
     if device not in DEVICE_CHOICES and not device.split(":")[0] in DEVICE_CHOICES[1:]:
         raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (optionally with :N); got {device!r}")
@@ -82,7 +73,7 @@ def resolve_platform(device: str = "auto") -> Platform:
         torch.npu.set_device(index)
         check_chip(torch.npu.get_device_name(index))
         load_atb_ops()
-        return Platform(name, _npu_device(index))
+        return Platform(name, torch.device("npu", index))
     return Platform(name, torch.device(name, index) if name != "cpu" else torch.device("cpu"))
 
 

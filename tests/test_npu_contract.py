@@ -90,28 +90,73 @@ def test_a_second_rope_table_in_one_process_is_refused(fake_npu):
 def test_ops_reject_what_the_real_ops_reject(fake_npu):
     from kernels import AttentionMetadata, npu
 
-    key = torch.randn(3, 2, 64, dtype=torch.bfloat16)
-    cache = torch.zeros(4, 128, 2, 64, dtype=torch.bfloat16)
-    md = AttentionMetadata.build([3], [3], [[1]], 128)
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16, device="npu")
+    cache = torch.zeros(4, 128, 2, 64, dtype=torch.bfloat16, device="npu")
+    md = AttentionMetadata.build([3], [3], [[1]], 128, device="npu")
     npu.reshape_and_cache(key, key, cache, cache.clone(), md.slot_mapping)  # fine
     with pytest.raises(fake_npu.NpuOpError, match="float16/bfloat16"):
         npu.reshape_and_cache(key.float(), key.float(), cache.float(), cache.float(), md.slot_mapping)
     with pytest.raises(fake_npu.NpuOpError, match="int32"):
         fake_npu._npu_reshape_and_cache(key=key, value=key, key_cache=cache, value_cache=cache.clone(),
                                         slot_indices=md.slot_mapping)  # int64 slots
+    with pytest.raises(fake_npu.NpuOpError, match="slot_indices must be on the NPU"):
+        npu.reshape_and_cache(key, key, cache, cache.clone(), md.slot_mapping.cpu())
     with pytest.raises(ValueError, match="block_size 128"):
-        small = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
-        npu.paged_attention(key, key, key, small, small, AttentionMetadata.build([3], [3], [[1]], 16), 0.1)
-    q = torch.randn(3, 4, 64, dtype=torch.bfloat16)
-    bad_mask = torch.zeros(3, 3, dtype=torch.bfloat16)  # not causal
+        small = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device="npu")
+        npu.paged_attention(key, key, key, small, small, AttentionMetadata.build([3], [3], [[1]], 16, "npu"), 0.1)
+    q = torch.randn(3, 4, 64, dtype=torch.bfloat16, device="npu")
+    bad_mask = torch.zeros(3, 3, dtype=torch.bfloat16, device="npu")  # not causal
+    flash = dict(query=q, key=key, value=key, seq_len=torch.tensor([3], dtype=torch.int32), scale_value=0.1,
+                 num_heads=4, num_kv_heads=2, out=torch.empty_like(q))
     with pytest.raises(fake_npu.NpuOpError, match="causal mask"):
-        fake_npu._npu_flash_attention(query=q, key=key, value=key, mask=bad_mask,
-                                      seq_len=torch.tensor([3], dtype=torch.int32), scale_value=0.1, num_heads=4,
-                                      num_kv_heads=2, out=torch.empty_like(q))
+        fake_npu._npu_flash_attention(mask=bad_mask, **flash)
+    with pytest.raises(fake_npu.NpuOpError, match="mask must be on the NPU"):
+        fake_npu._npu_flash_attention(mask=bad_mask.cpu(), **flash)
+    with pytest.raises(fake_npu.NpuOpError, match="multiple of num_kv_heads"):
+        fake_npu._npu_flash_attention(mask=bad_mask, **{**flash, "num_kv_heads": 3})
+    with pytest.raises(fake_npu.NpuOpError, match="out must be contiguous"):
+        fake_npu._npu_flash_attention(mask=bad_mask, **{**flash, "out": torch.empty(4, 3, 64, dtype=q.dtype,
+                                                                                    device="npu").transpose(0, 1)})
+    paged = dict(query=q, key_cache=cache, value_cache=cache, num_kv_heads=2, num_heads=4, scale_value=0.1,
+                 block_table=md.block_tables, context_lens=torch.tensor([1, 2, 3], dtype=torch.int32),
+                 out=torch.empty_like(q))
+    fake_npu._npu_paged_attention(**paged)  # fine
+    with pytest.raises(fake_npu.NpuOpError, match="context_lens must be a CPU int32"):  # "hostData is null"
+        fake_npu._npu_paged_attention(**{**paged, "context_lens": paged["context_lens"].to("npu")})
     with pytest.raises(fake_npu.NpuOpError, match="CPU int32"):
-        fake_npu._npu_paged_attention(query=q, key_cache=cache, value_cache=cache, num_kv_heads=2, num_heads=4,
-                                      scale_value=0.1, block_table=md.block_tables, context_lens=torch.tensor([1, 2, 3]),
-                                      out=torch.empty_like(q))
+        fake_npu._npu_paged_attention(**{**paged, "context_lens": torch.tensor([1, 2, 3])})
+    with pytest.raises(fake_npu.NpuOpError, match="block_table must be on the NPU"):
+        fake_npu._npu_paged_attention(**{**paged, "block_table": md.block_tables.cpu()})
+    with pytest.raises(fake_npu.NpuOpError, match="workspace of 16 bytes"):
+        fake_npu._npu_paged_attention(**paged, workspace=torch.empty(16, dtype=torch.uint8, device="npu"))
+    wide = torch.zeros(4, 128, 2, 320, dtype=torch.bfloat16, device="npu")
+    with pytest.raises(fake_npu.NpuOpError, match="head_dim must be in"):
+        fake_npu._npu_paged_attention(**{**paged, "query": torch.zeros(3, 4, 320, dtype=torch.bfloat16, device="npu"),
+                                         "key_cache": wide, "value_cache": wide,
+                                         "out": torch.zeros(3, 4, 320, dtype=torch.bfloat16, device="npu")})
+    positions = torch.arange(3, device="npu")
+    flat_q, flat_k = q.reshape(3, -1).contiguous(), key.reshape(3, -1).contiguous()
+    with pytest.raises(fake_npu.NpuOpError, match="cos_sin_cache must be"):
+        fake_npu._npu_rotary_embedding(positions, flat_q, flat_k, 64, torch.zeros(16, 32, device="npu"), True)
+    with pytest.raises(RuntimeError, match="same device"):  # torch itself refuses host and device in one op
+        key + key.cpu()
+
+
+def test_device_memory_is_accounted(fake_npu):
+    """The fake's allocator counts live device storages (views share theirs); host tensors cost nothing."""
+    start = torch.npu.memory_allocated()
+    torch.npu.reset_peak_memory_stats()
+    block = torch.zeros(1024, 256, dtype=torch.bfloat16, device="npu")
+    view = block[:10]
+    host = torch.zeros(4096, 4096)  # noqa: F841
+    assert torch.npu.memory_allocated() - start == 1024 * 256 * 2
+    free, total = torch.npu.mem_get_info()
+    del block
+    assert torch.npu.memory_allocated() - start == 1024 * 256 * 2  # the view keeps the storage alive
+    del view
+    assert torch.npu.memory_allocated() == start
+    assert torch.npu.max_memory_allocated() - start == 1024 * 256 * 2
+    assert torch.npu.mem_get_info()[0] == free + 1024 * 256 * 2
 
 
 @pytest.mark.parametrize("case", ["decode", "fresh-prefill", "mixed"])
@@ -129,14 +174,17 @@ def test_npu_attention_matches_torch_ref(fake_npu, case):
         n = cdiv(ctx, 128)
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
-    md = AttentionMetadata.build([q for _, q in seqs], [c for c, _ in seqs], tables, 128)
+    query_lens, context_lens = [q for _, q in seqs], [c for c, _ in seqs]
+    md = AttentionMetadata.build(query_lens, context_lens, tables, 128)
     tokens = sum(q for _, q in seqs)
     q = torch.randn(tokens, 4, 64, dtype=torch.bfloat16)
     k, v = torch.randn(tokens, 2, 64, dtype=torch.bfloat16), torch.randn(tokens, 2, 64, dtype=torch.bfloat16)
     torch_ref.reshape_and_cache(k, v, cache_k, cache_v, md.slot_mapping)
     expected = torch_ref.paged_attention(q, k, v, cache_k, cache_v, md, 0.125)
-    ours = npu.paged_attention(q, k, v, cache_k, cache_v, md, 0.125)
-    torch.testing.assert_close(ours, expected, atol=2e-2, rtol=2e-2)
+    on_npu = [t.to("npu") for t in (q, k, v, cache_k, cache_v)]
+    ours = npu.paged_attention(*on_npu, AttentionMetadata.build(query_lens, context_lens, tables, 128, "npu"), 0.125)
+    assert ours.device.type == "npu"
+    torch.testing.assert_close(ours.cpu(), expected, atol=2e-2, rtol=2e-2)
     op = {"decode": "_npu_paged_attention", "fresh-prefill": "_npu_flash_attention",
           "mixed": "_npu_paged_attention_splitfuse"}[case]
     assert fake_npu.calls.get(op) == 1

@@ -4,7 +4,8 @@ It implements the ops kernels/npu.py calls with kernels/torch_ref.py semantics, 
 their arguments the way the real ops document them (docs/npu.md): keyword names,
 fp16/bf16 only, int32 slot indices and block tables, CPU int32 lengths, contiguous outputs,
 block sizes, and the exact causal masks vllm-ascend builds. A wrong call raises, as the real
-op would fail. Tensors live on the CPU: `backing_device_type` tells npu-llm's platform so.
+op would fail. Device tensors are on "npu:0" (fake_npu_device.py: host memory underneath, but
+placed apart from host tensors, so an argument on the wrong side of the bus is refused).
 Graph capture and replay (torch.npu.NPUGraph, task-group updates) live in _graphs.py.
 
 The host it plays has CANN NNAL and an Ascend910B3 unless FAKE_NPU_NNAL=0 or FAKE_NPU_SOC say otherwise.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import types
 
+import fake_npu_device
 import torch
 
 from kernels import torch_ref
@@ -24,7 +26,6 @@ from . import _graphs
 from . import profiler
 from .op_plugin.atb import _atb_ops
 
-backing_device_type = "cpu"
 __version__ = ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0.post1"  # built for this torch
 calls: dict[str, int] = {}  # op name -> times called, for the tests
 _HALF = (torch.float16, torch.bfloat16)
@@ -52,7 +53,13 @@ def _half(name: str, *tensors: torch.Tensor) -> None:
 
 
 def _cpu_int32(name: str, arg: str, t: torch.Tensor) -> None:
+    # ATB reads CPU tensors as host data; a device tensor here has no hostData (docs/npu.md)
     _require(t.dtype == torch.int32 and t.device.type == "cpu", f"{name}: {arg} must be a CPU int32 tensor")
+
+
+def _on_device(name: str, **tensors: torch.Tensor) -> None:
+    for arg, t in tensors.items():
+        _require(t.device.type == "npu", f"{name}: {arg} must be on the NPU, got a {t.device.type} tensor")
 
 
 # -- cache write ------------------------------------------------------------------------------------
@@ -62,6 +69,7 @@ def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
     name = "_npu_reshape_and_cache"
     _count(name)
     _half(name, key, value, key_cache, value_cache)
+    _on_device(name, key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slot_indices)
     _require(key.dim() == 3 and key_cache.dim() == 4, f"{name}: key [T,N,D] and caches [blocks,block_size,N,D]")
     _require(key_cache.shape[2:] == key.shape[1:], f"{name}: cache heads/dim {tuple(key_cache.shape[2:])} != key's")
     _require(key_cache.is_contiguous() and value_cache.is_contiguous(), f"{name}: caches must be contiguous")
@@ -93,6 +101,7 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
     name = "_npu_rotary_embedding"
     _count(name)
     _require(positions.dtype == torch.int64, f"{name}: positions must be int64")
+    _on_device(name, positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
     _require(query.dim() == 2 and key.dim() == 2, f"{name}: query/key must be [T, N*head_size]")
     _require(query.is_contiguous() and key.is_contiguous(), f"{name}: query/key must be contiguous (written in place)")
     _require(query.shape[1] % head_size == 0 and key.shape[1] % head_size == 0, f"{name}: head_size mismatch")
@@ -115,6 +124,7 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
 
 def _check_paged(name, query, key_cache, value_cache, num_kv_heads, num_heads, block_table, out):
     _half(name, query, key_cache, value_cache, out)
+    _on_device(name, query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table, out=out)
     _require(block_table.dtype == torch.int32, f"{name}: block_table must be int32")
     block_size = key_cache.shape[1]
     _require(block_size % 16 == 0 and block_size <= 128, f"{name}: block_size must be a multiple of 16, <= 128")
@@ -133,7 +143,7 @@ def _metadata(query_lens, context_lens, block_table, block_size) -> AttentionMet
     return AttentionMetadata(
         query_lens=query_lens, context_lens=context_lens, num_decodes=0, block_size=block_size,
         slot_mapping=torch.empty(0, dtype=torch.long), block_tables=block_table,
-        context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32))
+        context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=block_table.device))
 
 
 def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
@@ -148,6 +158,7 @@ def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_hea
     # _npu_paged_attention_get_workspace), and a workspace given must hold what the op needs for these lengths.
     _require(workspace is not None or not _graphs.is_capturing(), f"{name}: a graph capture needs a workspace")
     if workspace is not None:
+        _on_device(name, workspace=workspace)
         needed = _workspace_bytes(num_heads, context_lens)
         _require(workspace.numel() * workspace.element_size() >= needed,
                  f"{name}: workspace of {workspace.numel() * workspace.element_size()} bytes, the op needs {needed}")
@@ -179,6 +190,7 @@ def _npu_flash_attention(*, query, key, value, mask, seq_len, scale_value, num_h
     name = "_npu_flash_attention"
     _count(name)
     _half(name, query, key, value, mask, out)
+    _on_device(name, query=query, key=key, value=value, mask=mask, out=out)
     _check_heads(name, query, num_heads, num_kv_heads, out)
     _require(key.shape[1] == num_kv_heads, f"{name}: key holds {key.shape[1]} heads, not {num_kv_heads}")
     _cpu_int32(name, "seq_len", seq_len)
@@ -203,6 +215,7 @@ def _npu_paged_attention_splitfuse(*, query, key_cache, value_cache, block_table
     _check_paged(name, query, key_cache, value_cache, num_kv_heads, num_heads, block_table, out)
     _cpu_int32(name, "seq_len", seq_len)
     _cpu_int32(name, "context_lens", context_lens)
+    _on_device(name, mask=mask)
     q_lens, ctx_lens = seq_len.tolist(), context_lens.tolist()
     _require(sum(q_lens) == query.shape[0], f"{name}: sum(seq_len) must equal the token count")
     masked = float("-inf") if query.dtype == torch.float16 else -10000.0  # vllm-ascend get_splitfuse_attn_mask
@@ -237,12 +250,21 @@ npu.get_device_name = lambda device=None: os.environ.get("FAKE_NPU_SOC", "Ascend
 
 
 def _mem_get_info(device=None):
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total // 2, total  # (free, total): a device half used
+    # (free, total) of a card of FAKE_NPU_MEMORY_GB (32) with a runtime context of 1 GiB in use
+    total = int(float(os.environ.get("FAKE_NPU_MEMORY_GB", "32")) * 2**30)
+    return total - 2**30 - fake_npu_device.memory.allocated, total
 
 
 npu.mem_get_info = _mem_get_info
+npu.memory_allocated = lambda device=None: fake_npu_device.memory.allocated
+npu.max_memory_allocated = lambda device=None: fake_npu_device.memory.peak
+npu.reset_peak_memory_stats = lambda device=None: setattr(fake_npu_device.memory, "peak",
+                                                          fake_npu_device.memory.allocated)
 for _name in ("NPUGraph", "graph", "graph_pool_handle", "current_stream", "graph_task_group_begin",
               "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end"):
     setattr(npu, _name, getattr(_graphs, _name))
+npu.is_initialized = lambda: True
+npu._is_in_bad_fork = lambda: False
+npu.manual_seed = npu.manual_seed_all = lambda seed: None
+fake_npu_device.install(npu)
 torch.npu = npu
