@@ -228,31 +228,38 @@ def test_engine_on_npu_equals_cpu_path(fake_npu, monkeypatch):
 
 def test_fake_graph_replays_recorded_ops_and_task_group_updates(fake_npu):
     """The fake NPUGraph behaves as a captured graph: replay recomputes on whatever the captured
-    buffers hold, host values stay as captured, and only a task-group update changes them."""
-    graph, x, host = torch.npu.NPUGraph(), torch.ones(3), torch.tensor([2], dtype=torch.int32)
-    out = torch.empty(3)
+    buffers hold, host values stay as captured, and only a task-group update, issued on another
+    stream than the capture's, changes them. Device memory it read but did not allocate is only addressed."""
+    graph, x, host = torch.npu.NPUGraph(), torch.ones(3, device="npu"), torch.tensor([2], dtype=torch.int32)
+    out = torch.empty(3, device="npu")
     with torch.inference_mode():
         with torch.npu.graph(graph):
             doubled = x * 2
-            stream = torch.npu.current_stream()
-            torch.npu.graph_task_group_begin(stream)
+            capture_stream = torch.npu.current_stream()
+            torch.npu.graph_task_group_begin(capture_stream)
             torch.add(doubled, int(host), out=out)  # the host value is baked in
-            handle = torch.npu.graph_task_group_end(stream)
+            handle = torch.npu.graph_task_group_end(capture_stream)
         x.copy_(torch.tensor([1.0, 2.0, 3.0]))
         host.fill_(100)  # not seen by the replay
         graph.replay()
         assert out.tolist() == [4.0, 6.0, 8.0]
+        with pytest.raises(fake_npu._graphs.NpuGraphError, match="another stream"):
+            torch.npu.graph_task_update_begin(capture_stream, handle)
+        stream = torch.npu.current_stream()
         torch.npu.graph_task_update_begin(stream, handle)
         torch.add(doubled, int(host), out=out)
         torch.npu.graph_task_update_end(stream)
         x.zero_()
         graph.replay()
         assert out.tolist() == [100.0, 100.0, 100.0]
+        del x  # the graph still reads it: a real replay would read freed memory
+        with pytest.raises(fake_npu._graphs.NpuGraphError, match="freed after the capture"):
+            graph.replay()
     with pytest.raises(fake_npu._graphs.NpuGraphError, match="only valid while capturing"):
         torch.npu.graph_task_group_begin(stream)
     with pytest.raises(fake_npu._graphs.NpuGraphError, match="syncs the device"):
         with torch.inference_mode(), torch.npu.graph(torch.npu.NPUGraph()):
-            int((x + 1).max())
+            int((out + 1).max())
 
 
 @pytest.mark.slow

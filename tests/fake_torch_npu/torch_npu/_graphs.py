@@ -12,19 +12,46 @@ Task groups (Ascend/pytorch torch_npu/csrc/core/npu/NPUGraph.h): ops issued betw
 graph_task_group_begin and graph_task_group_end form a group whose handle lets them be re-issued
 between graph_task_update_begin and graph_task_update_end with new host arguments; the update
 replaces the group's launches in the graph (vllm-ascend compilation/acl_graph.py,
-_update_attn_pa_params).
+_update_attn_pa_params). As torch.npu.graph does, a capture runs on a capture stream of its own,
+and an update must be issued on another stream than the one its group was captured on.
+
+A graph holds device addresses, not references: memory the capture read but did not allocate
+(weights, caches, input buffers) must be kept alive by its owner. The fake holds such tensors
+weakly, through their storage, so a replay that would read freed memory raises instead of
+quietly working on a tensor only the fake kept alive.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 class NpuGraphError(RuntimeError):
     pass
+
+
+class _External:
+    """A tensor the capture read but did not allocate, held through a weak reference to its storage."""
+
+    def __init__(self, t: torch.Tensor):
+        self.storage = weakref.ref(t.untyped_storage())
+        self.view = (t.dtype, t.device, t.size(), t.stride(), t.storage_offset())
+
+    def get(self, func) -> torch.Tensor:
+        storage = self.storage()
+        if storage is None:
+            raise NpuGraphError(f"replay: {func} reads a tensor freed after the capture (a real graph would read "
+                                "freed memory): keep every tensor a graph reads alive as long as the graph")
+        import fake_npu_device
+
+        dtype, _, size, stride, offset = self.view
+        with torch.inference_mode(False), torch.no_grad():
+            host = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+        return fake_npu_device.NpuTensor(host)  # the same memory, on the device again
 
 
 @dataclass
@@ -37,15 +64,20 @@ class _Launch:
     outputs: list
 
     def run(self) -> None:
-        result = self.func(*self.args, **self.kwargs)
-        for captured, fresh in zip(self.outputs, _tensors(result)):
+        args, kwargs, outputs = tree_map(self._resolve, (self.args, self.kwargs, self.outputs))
+        result = self.func(*args, **kwargs)
+        for captured, fresh in zip(outputs, _tensors(result)):
             # In-place ops and views already act on the captured memory; anything new goes into it.
             if fresh is not captured and fresh.data_ptr() != captured.data_ptr():
                 captured.copy_(fresh)
 
+    def _resolve(self, value):
+        return value.get(self.func) if isinstance(value, _External) else value
+
 
 @dataclass
 class _TaskGroup:
+    stream: "_Stream"  # the stream it was captured on
     launches: list[_Launch] = field(default_factory=list)
 
 
@@ -53,6 +85,11 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _HOST_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default,
                torch.ops.aten.is_nonzero.default)
 
@@ -69,37 +106,49 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.sink = sink
         self.computed: set[int] = set()  # data_ptrs of the tensors ops produced during the capture
+        self.owned: set[int] = set()  # device storages allocated during the capture (the graph's pool)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _HOST_READS and args[0].data_ptr() in self.computed:
             raise NpuGraphError(f"{func}: reading a value computed in the graph on the host syncs the "
                                 "device, which a graph capture does not allow")
+        inputs = {_storage(t) for t in _tensors((args, kwargs))}
         result = func(*args, **kwargs)
-        self.sink.append(_Launch(func, args, kwargs, _tensors(result)))
-        if func not in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+        if func in _LIFTS:  # a constant made during the capture: the graph's own memory
+            inputs = set()
+        self.owned.update(_storage(t) for t in _tensors(result) if _storage(t) not in inputs)
+
+        def hold(value):  # device memory from outside the capture is only addressed, not owned
+            outside = isinstance(value, torch.Tensor) and value.device.type != "cpu" and _storage(value) not in self.owned
+            return _External(value) if outside else value
+
+        self.sink.append(_Launch(func, *tree_map(hold, (args, kwargs, _tensors(result)))))
+        if func not in _LIFTS:
             self.computed.update(t.data_ptr() for t in _tensors(result))
         return result
 
 
 class _Stream:
-    """The one stream of the fake device; it carries the capture or update in progress."""
+    """A stream of the fake device; it carries the capture or update in progress on it."""
 
-    def __init__(self):
+    def __init__(self, name: str):
+        self.name = name
         self.capturing: NPUGraph | None = None
         self.recorder: _Recorder | None = None
         self.group: _TaskGroup | None = None
         self.updating: _TaskGroup | None = None
 
     def __repr__(self) -> str:
-        return "<fake npu stream>"
+        return f"<fake npu {self.name} stream>"
 
 
-_STREAM = _Stream()
+# The default stream, and the one torch.npu.graph captures on unless given another.
+_DEFAULT, _CAPTURE = _Stream("default"), _Stream("capture")
 
 
 def current_stream(device=None) -> _Stream:
-    return _STREAM
+    return _CAPTURE if _CAPTURE.capturing is not None else _DEFAULT
 
 
 class NPUGraph:
@@ -108,21 +157,21 @@ class NPUGraph:
         self._captured = False
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
-        if _STREAM.capturing is not None:
+        if _CAPTURE.capturing is not None:
             raise NpuGraphError("capture_begin: another graph is being captured on this stream")
         if self._captured:
             raise NpuGraphError("capture_begin: this graph was already captured (reset() it first)")
-        _STREAM.capturing = self
-        _STREAM.recorder = _Recorder(self._items)
-        _STREAM.recorder.__enter__()
+        _CAPTURE.capturing = self
+        _CAPTURE.recorder = _Recorder(self._items)
+        _CAPTURE.recorder.__enter__()
 
     def capture_end(self) -> None:
-        if _STREAM.capturing is not self:
+        if _CAPTURE.capturing is not self:
             raise NpuGraphError("capture_end: this graph is not being captured")
-        if _STREAM.group is not None:
+        if _CAPTURE.group is not None:
             raise NpuGraphError("capture_end: a task group is still open")
-        _STREAM.recorder.__exit__(None, None, None)
-        _STREAM.capturing, _STREAM.recorder = None, None
+        _CAPTURE.recorder.__exit__(None, None, None)
+        _CAPTURE.capturing, _CAPTURE.recorder = None, None
         self._captured = True
 
     def replay(self) -> None:
@@ -162,7 +211,7 @@ def graph_task_group_begin(stream: _Stream) -> None:
         raise NpuGraphError("graph_task_group_begin: only valid while capturing a graph")
     if stream.group is not None:
         raise NpuGraphError("graph_task_group_begin: task groups do not nest")
-    stream.group = _TaskGroup()
+    stream.group = _TaskGroup(stream)
     stream.capturing._items.append(stream.group)
     stream.recorder.sink = stream.group.launches
 
@@ -180,6 +229,9 @@ def graph_task_update_begin(stream: _Stream, handle: _TaskGroup) -> None:
         raise NpuGraphError("graph_task_update_begin: not a task group handle")
     if stream.capturing is not None or stream.updating is not None:
         raise NpuGraphError("graph_task_update_begin: not valid during a capture or another update")
+    if stream is handle.stream:
+        raise NpuGraphError("graph_task_update_begin: issue the update on another stream than the one its "
+                            "task group was captured on")
     stream.updating = handle
     stream.recorder = _Recorder([])
     stream.recorder.__enter__()
@@ -196,4 +248,4 @@ def graph_task_update_end(stream: _Stream) -> None:
 
 
 def is_capturing() -> bool:
-    return _STREAM.capturing is not None
+    return _CAPTURE.capturing is not None
