@@ -156,7 +156,38 @@ def test_device_memory_is_accounted(fake_npu):
     del view
     assert torch.npu.memory_allocated() == start
     assert torch.npu.max_memory_allocated() - start == 1024 * 256 * 2
-    assert torch.npu.mem_get_info()[0] == free + 1024 * 256 * 2
+    assert torch.npu.mem_get_info()[0] == free  # a caching allocator keeps freed blocks reserved...
+    torch.npu.empty_cache()
+    assert torch.npu.mem_get_info()[0] == free + 1024 * 256 * 2  # ...until it is emptied
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_kv_cache_gets_what_weights_activations_and_graphs_leave(fake_npu, monkeypatch, enforce_eager):
+    """The KV cache is sized as vLLM sizes it: gpu_memory_utilization of the device, less the weights, the
+    peak of the largest step (max_num_batched_tokens), the decode graphs and the runtime's own memory."""
+    from backend import LLM
+
+    monkeypatch.setenv("FAKE_NPU_MEMORY_GB", "3")
+    args = dict(device="npu", dtype="bfloat16", max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.7,
+                max_seq_len_to_capture=256, enforce_eager=enforce_eager)
+    small = LLM(max_num_batched_tokens=256, **args).engine
+    split = small.memory_split
+    assert split.total == 3 * 2**30 and split.budget == int(0.7 * 3 * 2**30)
+    assert split.other == fake_npu.CONTEXT_BYTES  # freed profile blocks are not mistaken for used memory
+    tensors = [*small.model.parameters(), *small.model.buffers()]
+    weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    assert weights <= split.weights < weights * 1.1
+    assert split.activations > 0 and (split.graphs > 0) == (not enforce_eager)
+    per_block = small.runner.bytes_per_block(small.model, 128)
+    assert small.kv.num_blocks == split.kv_cache // per_block
+    # the whole budget is used, and nothing beyond it: serving never needs more than was set aside
+    in_use = torch.npu.memory_allocated() + split.other + split.activations
+    assert split.budget - per_block <= in_use <= split.budget
+    del small
+    large = LLM(max_num_batched_tokens=1024, **args).engine
+    assert large.memory_split.activations > 2 * split.activations  # a 1024-token step needs more
+    assert large.kv.num_blocks < split.kv_cache // per_block
 
 
 @pytest.mark.parametrize("case", ["decode", "fresh-prefill", "mixed"])

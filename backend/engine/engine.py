@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import EngineConfig
+from backend.engine import memory
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
@@ -69,11 +70,12 @@ class LLMEngine:
         )
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
+        self.runner = ModelRunner(self.model, 0, config.block_size, self.platform.device)  # the scratch block only
+        self.memory_split: memory.MemorySplit | None = None  # how device memory was shared out (accelerators)
         num_blocks = config.num_kv_blocks or self._blocks_that_fit()
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.platform.device)
+        self.runner.allocate_kv_cache(num_blocks)
         if not config.enforce_eager:
-            max_len = min(config.max_model_len, config.max_seq_len_to_capture)
-            self.runner.capture_decode_graphs(self.platform, config.max_num_seqs, max_len)
+            self.runner.capture_decode_graphs(self.platform, config.max_num_seqs, self._graph_len())
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
@@ -107,15 +109,34 @@ class LLMEngine:
     def _blocks_that_fit(self) -> int:
         per_block = ModelRunner.bytes_per_block(self.model, self.config.block_size)
         if self.platform.name == "cpu":
-            budget = self.config.kv_cache_memory_gb * 2**30
+            budget, split = self.config.kv_cache_memory_gb * 2**30, None
         else:
-            device_module = getattr(torch, self.platform.name)
-            free, total = device_module.mem_get_info(self.platform.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization)
-        blocks = int(budget // per_block) - 1  # the runner adds a scratch block
+            graphs = None if self.config.enforce_eager else self._trial_decode_graphs
+            split = memory.profile(self.platform, self.config.gpu_memory_utilization, self._largest_step, graphs)
+            budget = split.kv_cache
+        self.memory_split = split
+        blocks = int(budget // per_block)
         if blocks < 1:
-            raise ValueError("no memory left for the KV cache: raise gpu_memory_utilization or kv_cache_memory_gb")
+            where = f" ({split.describe(0)})" if split else ""
+            raise ValueError(f"no memory left for the KV cache{where}: raise gpu_memory_utilization or "
+                             "kv_cache_memory_gb, or lower max_num_batched_tokens or max_num_seqs")
+        if split:
+            log.info("%s", split.describe(blocks))
         return blocks
+
+    @torch.inference_mode()
+    def _largest_step(self) -> None:
+        """The memory profile's forward pass: the largest step the scheduler can build, and its sampling."""
+        config = self.config
+        logits = self.runner.profile_run(config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        sample(logits, [Request(f"profile-{i}", [0], params, 1, self.eos_token_ids) for i in range(len(logits))])
+
+    def _trial_decode_graphs(self):
+        return self.runner.build_decode_graphs(self.platform, self.config.max_num_seqs, self._graph_len())
+
+    def _graph_len(self) -> int:
+        return min(self.config.max_model_len, self.config.max_seq_len_to_capture)
 
     # -- requests ---------------------------------------------------------------------------------
 

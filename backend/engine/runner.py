@@ -9,6 +9,7 @@ import torch
 from backend.engine.decode_graphs import DecodeGraphs
 from backend.platform import Platform
 from kernels import AttentionMetadata
+from kernels.metadata import cdiv
 from kernels.timing import scope
 
 
@@ -31,28 +32,47 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        dtype = model.dtype
-        # One block past the pool's: a scratch block no request owns, where padded rows write their K/V.
-        shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The KV tensors for num_blocks blocks, plus one: a scratch block no request owns, where padded
+        rows (and the memory profile) write their K/V. Zero blocks leave only the scratch block."""
+        shape = (num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = []  # the old tensors go before the new ones are made
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(model.num_layers)
+            (torch.zeros(shape, dtype=self.model.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.model.dtype, device=self.device))
+            for _ in range(self.model.num_layers)
         ]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
-        self.decode_graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self, platform: Platform, max_num_seqs: int, max_len: int) -> None:
         """From now on, decode-only steps replay captured device graphs (see decode_graphs)."""
+        self.decode_graphs = self.build_decode_graphs(platform, max_num_seqs, max_len)
+
+    def build_decode_graphs(self, platform: Platform, max_num_seqs: int, max_len: int) -> DecodeGraphs:
+        """Decode graphs captured against the current KV tensors (not installed: see capture_decode_graphs)."""
         graphs = DecodeGraphs(self.model, self.kv_caches, platform, self.block_size, self.scratch_block,
                               max_num_seqs, max_len)
         graphs.capture()
-        self.decode_graphs = graphs
+        return graphs
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
         dtype = model.dtype
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_len: int, num_rows: int) -> torch.Tensor:
+        """The largest step the scheduler can build, its K/V written to the scratch block: num_tokens of
+        prefill in sequences of at most max_len tokens; returns the fp32 logits of num_rows of them."""
+        lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        chunks = [SequenceChunk([0] * n, 0, [self.scratch_block] * cdiv(n, self.block_size)) for n in lengths]
+        hidden = self.model(*self._prepare(chunks, lengths, lengths))
+        rows = torch.arange(min(num_rows, num_tokens), device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> torch.Tensor:

@@ -128,11 +128,15 @@ def _wrap(o, seen, wrap):
 
 
 class _Memory:
-    """Bytes held by live device storages, and the peak since the last reset."""
+    """Bytes held by live device storages, the peak since the last reset, and what a caching allocator
+    would hold: freed blocks stay reserved (counted as used by mem_get_info) until empty_cache()."""
 
     def __init__(self):
-        self.allocated = self.peak = 0
+        self.allocated = self.peak = self.reserved = 0
         self.live: set[int] = set()
+
+    def empty_cache(self) -> None:
+        self.reserved = self.allocated
 
     def track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -142,6 +146,7 @@ class _Memory:
         self.live.add(key)
         self.allocated += storage.nbytes()
         self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
         weakref.finalize(storage, self._release, key, storage.nbytes())
 
     def _release(self, key: int, nbytes: int) -> None:

@@ -244,19 +244,23 @@ npu.device_count = lambda: 1
 npu.current_device = lambda: 0
 npu.set_device = lambda device: None
 npu.synchronize = lambda device=None: None
-npu.empty_cache = lambda: None
+npu.empty_cache = fake_npu_device.memory.empty_cache
 # The chip's name, as aclrtGetSocName reports it (FAKE_NPU_SOC to play another chip).
 npu.get_device_name = lambda device=None: os.environ.get("FAKE_NPU_SOC", "Ascend910B3")
 
 
 def _mem_get_info(device=None):
-    # (free, total) of a card of FAKE_NPU_MEMORY_GB (32) with a runtime context of 1 GiB in use
+    # (free, total) of a card of FAKE_NPU_MEMORY_GB (32) with a runtime context of CONTEXT_BYTES in use
     total = int(float(os.environ.get("FAKE_NPU_MEMORY_GB", "32")) * 2**30)
-    return total - 2**30 - fake_npu_device.memory.allocated, total
+    return total - CONTEXT_BYTES - fake_npu_device.memory.reserved, total
+
+
+CONTEXT_BYTES = 2**30
 
 
 npu.mem_get_info = _mem_get_info
 npu.memory_allocated = lambda device=None: fake_npu_device.memory.allocated
+npu.memory_reserved = lambda device=None: fake_npu_device.memory.reserved
 npu.max_memory_allocated = lambda device=None: fake_npu_device.memory.peak
 npu.reset_peak_memory_stats = lambda device=None: setattr(fake_npu_device.memory, "peak",
                                                           fake_npu_device.memory.allocated)
