@@ -33,12 +33,46 @@ def fake_npu(monkeypatch):
         os.environ.pop(key, None)
 
 
-def test_importing_npu_llm_never_imports_torch_npu():
-    code = ("import sys, backend, kernels; from backend import LLM, SamplingParams; "
-            "from backend.platform import resolve_platform; resolve_platform('auto'); "
-            "assert 'torch_npu' not in sys.modules, 'imported'")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+# Imports every module of npu-llm but the NPU kernels (which ops_for("npu") loads once the NPU is chosen),
+# then picks the CPU, and prints whether torch autoloaded torch_npu and which of our modules imported it.
+_IMPORT_EVERYTHING = """
+import builtins, importlib, pkgutil, sys
+ours, real_import = [], builtins.__import__
+def spy(name, globals=None, locals=None, fromlist=(), level=0):
+    module = (globals or {}).get("__name__") or ""
+    if name.split(".")[0] == "torch_npu" and module.split(".")[0] in ("backend", "kernels", "ui", "loadtest"):
+        ours.append(module)
+    return real_import(name, globals, locals, fromlist, level)
+builtins.__import__ = spy
+import torch
+autoloaded = "torch_npu" in sys.modules
+import backend, kernels, loadtest
+for package in (backend, kernels, loadtest):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if info.name not in ("kernels.npu", "backend.triton.model", "loadtest.locustfile"):  # (Triton's and locust's own)
+            importlib.import_module(info.name)
+from backend.platform import resolve_platform
+assert resolve_platform("cpu").name == "cpu"
+print(autoloaded, sorted(set(ours)))
+"""
+
+
+@pytest.mark.parametrize("host", ["without torch_npu", "Ascend host: torch autoloads torch_npu"])
+def test_npu_llm_imports_torch_npu_only_once_the_npu_is_chosen(host, tmp_path):
+    """What npu-llm guarantees: none of its modules imports torch_npu until the NPU is chosen. On an Ascend
+    host torch (2.5+) imports torch_npu itself on `import torch`, through the `torch.backends` entry point
+    torch_npu registers; that import is torch's, npu-llm still makes none, and everything works on the CPU."""
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}
+    if host.startswith("Ascend"):
+        dist = tmp_path / "torch_npu-2.13.0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.13.0\n")
+        (dist / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(FAKE), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _IMPORT_EVERYTHING], capture_output=True, text=True, timeout=300,
+                         env=env)
     assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-2:] == [str(host.startswith("Ascend")), "[]"]
 
 
 def test_platform_on_npu(fake_npu):

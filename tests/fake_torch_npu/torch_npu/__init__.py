@@ -272,3 +272,7 @@ npu._is_in_bad_fork = lambda: False
 npu.manual_seed = npu.manual_seed_all = lambda seed: None
 fake_npu_device.install(npu)
 torch.npu = npu
+
+
+def _autoload() -> None:
+    """The `torch.backends` entry point torch_npu registers: `import torch` has imported this package by now."""
