@@ -83,6 +83,12 @@ def _cmd_doctor(args) -> int:
     return doctor(args)
 
 
+def _cmd_verify(args) -> int:
+    from backend.verify import run_verify
+
+    return run_verify(args)
+
+
 def _cmd_bench(args) -> int:
     from backend.bench import run_throughput_bench
 
@@ -154,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check the NPU/CUDA/Triton/model setup")
     doctor.add_argument("--model", default=DEFAULT_MODEL)
     doctor.set_defaults(func=_cmd_doctor)
+
+    verify = commands.add_parser("verify", help="check that the device computes what the CPU computes (fp32 reference)")
+    EngineConfig.add_cli_args(verify)
+    verify.add_argument("--steps", type=int, default=32, help="decode steps compared per prompt")
+    verify.set_defaults(func=_cmd_verify)
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)

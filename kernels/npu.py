@@ -60,7 +60,8 @@ def rotary_embedding(positions, query, key, cos_sin_cache):
 # The rotary op builds its cos/sin tables from the first cos_sin_cache it is given and keeps them in
 # process-global statics, ignoring every later table (RopeAtb.cpp, op-plugin 7.0.0 through master).
 # A second model in the process, or a longer max_model_len, would be rotated with the first table:
-# refuse any table that is not the first one or a prefix of it.
+# refuse any table that is not the first one or a prefix of it (up to rounding: the same table computed
+# for another length can round differently in half precision).
 _rope_table: torch.Tensor | None = None
 _rope_tables_seen: list[weakref.ref] = []  # tables already checked, by identity (tensors compare elementwise)
 
@@ -72,7 +73,7 @@ def _claim_rope_table(table: torch.Tensor) -> None:
     if _rope_table is None:
         _rope_table = table
     elif not (table.shape[1:] == _rope_table.shape[1:] and len(table) <= len(_rope_table)
-              and torch.equal(table.cpu(), _rope_table[: len(table)].cpu())):
+              and torch.allclose(table.cpu().float(), _rope_table[: len(table)].cpu().float(), rtol=0, atol=1e-2)):
         raise RuntimeError(
             "torch_npu's _npu_rotary_embedding keeps the rope table of the first model it ran for the life of "
             f"the process ({list(_rope_table.shape)}), and this model's differs ({list(table.shape)}): serve "

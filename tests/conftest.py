@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# A stand-in for torch_npu (no Ascend hardware here): only tests put it on the path.
+FAKE_TORCH_NPU = Path(__file__).parent / "fake_torch_npu"
 
 # Every test here runs on the CPU with two cores.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -18,6 +23,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """torch_npu (the fake) importable and imported; everything undone afterwards."""
+    monkeypatch.syspath_prepend(str(FAKE_TORCH_NPU))
+    for key in ("PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE"):
+        monkeypatch.delenv(key, raising=False)
+    import torch_npu
+
+    torch_npu.calls.clear()
+    yield torch_npu
+    import kernels
+
+    kernels.__dict__.pop("npu", None)
+    for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + ["kernels.npu"]:
+        sys.modules.pop(name, None)
+    if hasattr(torch, "npu"):
+        del torch.npu
+    for key in ("PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE"):
+        os.environ.pop(key, None)
+
 
 TINY = dict(
     vocab_size=512,

@@ -4,9 +4,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-FAKE = Path(__file__).parent / "fake_torch_npu"
+from tests.conftest import FAKE_TORCH_NPU as FAKE
 
 
 def _doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

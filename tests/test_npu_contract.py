@@ -4,33 +4,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-FAKE = Path(__file__).parent / "fake_torch_npu"
-
-
-@pytest.fixture
-def fake_npu(monkeypatch):
-    """torch_npu (the fake) importable and imported; everything undone afterwards."""
-    monkeypatch.syspath_prepend(str(FAKE))
-    for key in ("PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE"):
-        monkeypatch.delenv(key, raising=False)
-    import torch_npu
-
-    torch_npu.calls.clear()
-    yield torch_npu
-    import kernels
-
-    kernels.__dict__.pop("npu", None)
-    for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + ["kernels.npu"]:
-        sys.modules.pop(name, None)
-    if hasattr(torch, "npu"):
-        del torch.npu
-    for key in ("PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE"):
-        os.environ.pop(key, None)
+from tests.conftest import FAKE_TORCH_NPU as FAKE
 
 
 # Imports every module of npu-llm but the NPU kernels (which ops_for("npu") loads once the NPU is chosen),
@@ -178,6 +156,7 @@ def test_ops_reject_what_the_real_ops_reject(fake_npu):
 
 def test_device_memory_is_accounted(fake_npu):
     """The fake's allocator counts live device storages (views share theirs); host tensors cost nothing."""
+    torch.npu.empty_cache()  # (what earlier tests freed)
     start = torch.npu.memory_allocated()
     torch.npu.reset_peak_memory_stats()
     block = torch.zeros(1024, 256, dtype=torch.bfloat16, device="npu")

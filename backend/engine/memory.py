@@ -74,7 +74,7 @@ def profile(platform: Platform, utilization: float, largest_step, capture_graphs
         before = memory.memory_allocated(platform.device)
         trial = capture_graphs()
         graphs = memory.memory_allocated(platform.device) - before
-        del trial
+        del trial  # (its memory goes back before the KV cache is sized)
     settle(platform)
     free, total = memory.mem_get_info(platform.device)
     other = max(0, total - free - memory.memory_allocated(platform.device))

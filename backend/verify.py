@@ -1,0 +1,181 @@
+"""`npu-llm verify`: does the device compute what the CPU computes?
+
+The first check after installing a device stack (the Ascend ops guide starts there): fixed prompts
+run through the model on the device, in the engine's kernels and dtype, and through
+kernels/torch_ref.py on the CPU in float32, from the same weights. Compared:
+- the hidden states after each group of layers, over every prompt token (cosine similarity, and
+  the largest absolute error relative to the reference's largest value);
+- the logits, both prompts' last tokens and every decode step, where the device is fed the
+  reference's greedy tokens (so one early difference does not decide every later step);
+- top-1 agreement of those logits, and greedy agreement: how many of the device's own greedy
+  tokens, generated freely, match the reference's before the first difference.
+Each figure passes or fails against the tolerance of the device's dtype (TOLERANCES; docs/npu.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine.runner import ModelRunner, SequenceChunk
+from backend.engine.tokenizer import load_tokenizer
+from backend.models.loader import load_model
+from backend.models.registry import resolve_model
+from backend.platform import resolve_platform
+from kernels import ops_for, torch_ref
+from kernels.metadata import cdiv
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village by the sea,",
+]
+LAYER_GROUPS = 4
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    cosine: float  # at least
+    relative_error: float  # max |device - reference| / max |reference|, at most
+    top1: float  # fraction of steps whose argmax agrees, at least
+    # free-running greedy tokens equal to the reference's before the first difference, as a fraction of the
+    # steps, averaged over the prompts, at least (near-ties legitimately part ways in half precision)
+    greedy: float
+
+
+# What rounding alone produces, measured as CPU bfloat16 / float16 against CPU float32 on the default
+# model, with margin; a device outside them computes something else (docs/npu.md, "verify").
+TOLERANCES = {
+    torch.float32: Tolerance(cosine=0.99999, relative_error=1e-3, top1=1.0, greedy=1.0),
+    torch.float16: Tolerance(cosine=0.999, relative_error=0.05, top1=0.9, greedy=0.5),
+    torch.bfloat16: Tolerance(cosine=0.995, relative_error=0.15, top1=0.85, greedy=0.25),
+}
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    limit: float
+    at_least: bool  # the value must be >= limit (else <=)
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.limit if self.at_least else self.value <= self.limit
+
+    def row(self, width: int) -> str:
+        sign = ">=" if self.at_least else "<="
+        return f"{self.name:<{width}}  {self.value:>10.6f}  {sign} {self.limit:<9g}  {'PASS' if self.passed else 'FAIL'}"
+
+
+class _Side:
+    """One model (device or reference) with its own KV cache, recording each layer's output."""
+
+    def __init__(self, model, device: torch.device, block_size: int, max_len: int):
+        self.model, self.block_size = model, block_size
+        self.blocks_per_seq = cdiv(max_len, block_size)
+        self.runner = ModelRunner(model, self.blocks_per_seq, block_size, device)
+        self.layer_outputs: list[torch.Tensor] = []  # of the last prefill
+        self.recording = False
+        for layer in model.model.layers:  # a layer returns (its output, the residual stream): the sum is its hidden state
+            layer.register_forward_hook(self._record)
+
+    def _record(self, _module, _inputs, outputs) -> None:
+        if self.recording:
+            self.layer_outputs.append((outputs[0] + outputs[1]).float().cpu())
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        self.layer_outputs, self.recording = [], True
+        try:
+            return self._step(SequenceChunk(token_ids, 0, list(range(self.blocks_per_seq))))
+        finally:
+            self.recording = False
+
+    def decode(self, token_id: int, num_computed: int) -> torch.Tensor:
+        return self._step(SequenceChunk([token_id], num_computed, list(range(self.blocks_per_seq))))
+
+    def _step(self, chunk: SequenceChunk) -> torch.Tensor:
+        return self.runner.execute([chunk])[0].float().cpu()
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def _relative_error(device: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((device - reference).abs().max() / reference.abs().max()).item()
+
+
+def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) -> tuple[str, list[Figure]]:
+    """(a heading, the figures): the model on config.device in config.dtype against torch_ref in fp32."""
+    platform = resolve_platform(config.device)
+    model_dir = resolve_model(config.model)
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    encoded = [tokenizer.encode(p) for p in prompts]
+    max_len = max(map(len, encoded)) + steps + 1
+    block_size = config.block_size or (128 if platform.name == "npu" else 16)
+    model, _, _ = load_model(model_dir, ops_for(platform.name), platform.device, config.dtype, max_len)
+    reference, _, _ = load_model(model_dir, torch_ref, "cpu", "float32", max_len)
+    device, cpu = _Side(model, platform.device, block_size, max_len), _Side(reference, torch.device("cpu"), block_size, max_len)
+
+    groups = [list(range(g * len(model.model.layers) // LAYER_GROUPS, (g + 1) * len(model.model.layers) // LAYER_GROUPS))
+              for g in range(LAYER_GROUPS)]
+    hidden = {i: ([], []) for i in range(len(groups))}  # group -> (device states, reference states)
+    logits, top1, greedy = ([], []), [], []
+    for ids in encoded:
+        ours, theirs = device.prefill(ids), cpu.prefill(ids)
+        for g, layers in enumerate(groups):
+            hidden[g][0].append(device.layer_outputs[layers[-1]])
+            hidden[g][1].append(cpu.layer_outputs[layers[-1]])
+        reference_tokens = []
+        for step in range(steps):  # teacher-forced: both are fed the reference's greedy token
+            logits[0].append(ours), logits[1].append(theirs)
+            top1.append(int(ours.argmax()) == int(theirs.argmax()))
+            reference_tokens.append(int(theirs.argmax()))
+            ours = device.decode(reference_tokens[-1], len(ids) + step)
+            theirs = cpu.decode(reference_tokens[-1], len(ids) + step)
+        own = device.prefill(ids)
+        agreed = 0
+        for step in range(steps):  # free-running: the device follows its own greedy tokens
+            token = int(own.argmax())
+            if token != reference_tokens[step]:
+                break
+            agreed += 1
+            own = device.decode(token, len(ids) + step)
+        greedy.append(agreed / steps)
+
+    tolerance = TOLERANCES[model.dtype]
+    figures = []
+    for g, layers in enumerate(groups):
+        ours, theirs = torch.cat(hidden[g][0]), torch.cat(hidden[g][1])
+        name = f"layers {layers[0] + 1}-{layers[-1] + 1}"
+        figures += [Figure(f"{name} cosine", _cosine(ours, theirs), tolerance.cosine, True),
+                    Figure(f"{name} max abs error / max |ref|", _relative_error(ours, theirs), tolerance.relative_error, False)]
+    ours, theirs = torch.stack(logits[0]), torch.stack(logits[1])
+    figures += [
+        Figure("logits cosine", _cosine(ours, theirs), tolerance.cosine, True),
+        Figure("logits max abs error / max |ref|", _relative_error(ours, theirs), tolerance.relative_error, False),
+        Figure("logits top-1 agreement", sum(top1) / len(top1), tolerance.top1, True),
+        Figure(f"greedy tokens agreed ({steps} steps)", sum(greedy) / len(greedy), tolerance.greedy, True),
+    ]
+    heading = (f"{model_dir.name} on {platform.device} in {str(model.dtype).removeprefix('torch.')} against "
+               f"kernels/torch_ref.py on the CPU in float32: {len(prompts)} prompts, {steps} steps")
+    return heading, figures
+
+
+def render(heading: str, figures: list[Figure]) -> str:
+    width = max(len(f.name) for f in figures)
+    lines = [heading, "", f"{'figure':<{width}}  {'value':>10}  limit         result"]
+    lines += [f.row(width) for f in figures]
+    failed = sum(not f.passed for f in figures)
+    lines += ["", f"{failed} of {len(figures)} figures out of tolerance" if failed else "all figures within tolerance"]
+    return "\n".join(lines)
+
+
+def run_verify(args) -> int:
+    config = EngineConfig.from_cli_args(args)
+    heading, figures = verify(config, args.steps)
+    print(render(heading, figures), flush=True)
+    return 0 if all(f.passed for f in figures) else 1
