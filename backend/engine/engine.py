@@ -65,6 +65,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         model_dir = resolve_model(config.model)
         config.finalize(self.platform.name, max_model_len_of(load_config(model_dir)))
+        in_use_before = memory.allocated(self.platform)
         self.model, self.model_config, self.model_dir = load_model(
             model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len
         )
@@ -72,7 +73,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
         self.runner = ModelRunner(self.model, 0, config.block_size, self.platform.device)  # the scratch block only
         self.memory_split: memory.MemorySplit | None = None  # how device memory was shared out (accelerators)
-        num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        weights = memory.allocated(self.platform) - in_use_before  # (and the rope table and the scratch block)
+        num_blocks = config.num_kv_blocks or self._blocks_that_fit(weights)
         self.runner.allocate_kv_cache(num_blocks)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(self.platform, config.max_num_seqs, self._graph_len())
@@ -106,13 +108,14 @@ class LLMEngine:
         self.tokenizer.decode(self.tokenizer.encode("warm-up"))
         log.info("warm-up took %.1f s", time.perf_counter() - start)
 
-    def _blocks_that_fit(self) -> int:
+    def _blocks_that_fit(self, weights: int) -> int:
         per_block = ModelRunner.bytes_per_block(self.model, self.config.block_size)
         if self.platform.name == "cpu":
             budget, split = self.config.kv_cache_memory_gb * 2**30, None
         else:
             graphs = None if self.config.enforce_eager else self._trial_decode_graphs
-            split = memory.profile(self.platform, self.config.gpu_memory_utilization, self._largest_step, graphs)
+            split = memory.profile(self.platform, self.config.gpu_memory_utilization, weights, self._largest_step,
+                                   graphs)
             budget = split.kv_cache
         self.memory_split = split
         blocks = int(budget // per_block)

@@ -7,8 +7,8 @@ is accounted for:
   of `max_num_seqs` rows, the largest step the scheduler can build (vLLM's profile_run);
 - decode graphs: measured by capturing them once against the scratch block and dropping them,
   since graphs captured for real must read the KV cache they are sized against;
-- everything else on the device (the runtime's context, other processes): what mem_get_info
-  reports in use beyond torch's own tensors.
+- everything else on the device (the runtime's context, other engines, other processes): what
+  mem_get_info reports in use beyond the model's weights.
 The caching allocator is emptied before every reading, so freed blocks it keeps do not count as used.
 """
 from __future__ import annotations
@@ -57,25 +57,29 @@ def settle(platform: Platform) -> None:
     device_memory(platform).empty_cache()
 
 
-def profile(platform: Platform, utilization: float, largest_step, capture_graphs) -> MemorySplit:
-    """The split before the KV cache is allocated (only its scratch block is). largest_step() runs the
+def allocated(platform: Platform) -> int:
+    """Bytes of live torch tensors on the device (0 on the CPU, where the KV cache has a budget of its own)."""
+    return 0 if platform.name == "cpu" else device_memory(platform).memory_allocated(platform.device)
+
+
+def profile(platform: Platform, utilization: float, weights: int, largest_step, capture_graphs) -> MemorySplit:
+    """The split before the KV cache is allocated, for a model of `weights` bytes. largest_step() runs the
     largest step there can be; capture_graphs() captures (and returns) decode graphs against the scratch
     block, or is None in eager mode."""
     memory = device_memory(platform)
     settle(platform)
-    weights = memory.memory_allocated(platform.device)  # (and the scratch block: one block of KV)
+    baseline = memory.memory_allocated(platform.device)
     memory.reset_peak_memory_stats(platform.device)
     largest_step()
     platform.synchronize()
-    activations = memory.max_memory_allocated(platform.device) - weights
+    activations = memory.max_memory_allocated(platform.device) - baseline
     graphs = 0
     if capture_graphs is not None:
         settle(platform)
-        before = memory.memory_allocated(platform.device)
         trial = capture_graphs()
-        graphs = memory.memory_allocated(platform.device) - before
+        graphs = memory.memory_allocated(platform.device) - baseline
         del trial  # (its memory goes back before the KV cache is sized)
     settle(platform)
     free, total = memory.mem_get_info(platform.device)
-    other = max(0, total - free - memory.memory_allocated(platform.device))
+    other = max(0, total - free - weights)  # the runtime's context, and anything not this model's
     return MemorySplit(total, int(total * utilization), weights, activations, graphs, other)

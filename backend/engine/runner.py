@@ -67,10 +67,14 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_len: int, num_rows: int) -> torch.Tensor:
         """The largest step the scheduler can build, its K/V written to the scratch block: num_tokens of
-        prefill in sequences of at most max_len tokens; returns the fp32 logits of num_rows of them."""
+        prefill in sequences of at most max_len tokens, the first one a chunk at the end of a max_len context
+        (attention's largest temporaries: a chunked prefill or a cached prefix); returns the fp32 logits of
+        num_rows of them."""
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        chunks = [SequenceChunk([0] * n, 0, [self.scratch_block] * cdiv(n, self.block_size)) for n in lengths]
-        hidden = self.model(*self._prepare(chunks, lengths, lengths))
+        contexts = [max_len] + lengths[1:]
+        shapes = sorted(zip(lengths, contexts), key=lambda shape: shape[0] != 1)  # the kernels take decodes first
+        chunks = [SequenceChunk([0] * n, c - n, [self.scratch_block] * cdiv(c, self.block_size)) for n, c in shapes]
+        hidden = self.model(*self._prepare(chunks, [n for n, _ in shapes], [c for _, c in shapes]))
         rows = torch.arange(min(num_rows, num_tokens), device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
 
