@@ -161,8 +161,8 @@ def test_device_memory_is_accounted(fake_npu):
     torch.npu.reset_peak_memory_stats()
     block = torch.zeros(1024, 256, dtype=torch.bfloat16, device="npu")
     view = block[:10]
-    host = torch.zeros(4096, 4096)  # noqa: F841
-    assert torch.npu.memory_allocated() - start == 1024 * 256 * 2
+    host = torch.zeros(4096, 4096)
+    assert host.device.type == "cpu" and torch.npu.memory_allocated() - start == 1024 * 256 * 2
     free, total = torch.npu.mem_get_info()
     del block
     assert torch.npu.memory_allocated() - start == 1024 * 256 * 2  # the view keeps the storage alive

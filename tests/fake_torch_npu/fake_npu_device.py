@@ -10,7 +10,6 @@ so memory_allocated / max_memory_allocated / mem_get_info answer as a caching al
 It lives outside the torch_npu package because a device type can be registered only once per
 process, while the tests import and drop the fake torch_npu many times.
 """
-import types
 import weakref
 
 import torch
