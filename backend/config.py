@@ -26,7 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 128  # sequences in one step
     max_num_batched_tokens: int | None = None  # token budget of one step; None: 2048 (or max_model_len without chunking)
-    gpu_memory_utilization: float = 0.9  # accelerators: fraction of device memory for weights + KV cache
+    gpu_memory_utilization: float = 0.9  # accelerators: share of device memory to use (the KV cache gets the rest)
     kv_cache_memory_gb: float = 4.0  # CPU: memory for the KV cache
     num_kv_blocks: int | None = None  # explicit number of KV blocks (overrides both budgets)
     enable_prefix_caching: bool = True

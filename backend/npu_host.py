@@ -5,7 +5,11 @@ names the fix (docs/npu.md, "First day on an Ascend host").
 """
 from __future__ import annotations
 
-# Atlas A2 and A3 training-series chips: their ATB paged-attention ops take ND caches in fp16 and bf16.
+import re
+
+# Atlas A2 and A3 training-series chips, as torch.npu.get_device_name() names them (Ascend910B1..B4,
+# Ascend910_9391...): their ATB paged-attention ops take ND caches in fp16 and bf16.
+SUPPORTED_CHIP = re.compile(r"Ascend910(B\d|_93)")
 SUPPORTED_CHIPS = "Atlas A2/A3 (Ascend910B*, Ascend910_93*)"
 NNAL_FIX = "install CANN's NNAL package (matching torch_npu) and source /usr/local/Ascend/nnal/atb/set_env.sh"
 
@@ -34,8 +38,11 @@ def load_atb_ops() -> None:
 
 
 def check_chip(name: str) -> None:
-    """Refuse the Atlas inference cards (310P, 310B): their ATB paged-attention ops take float16 only
-    and FRACTAL_NZ-format caches (vllm-ascend's 310P worker), which npu-llm does not build."""
-    if name.lower().startswith("ascend310"):
-        raise NpuHostError(f"{name} is an Atlas inference chip, whose paged-attention ops need float16 and "
-                           "NZ-format KV caches", f"serve on {SUPPORTED_CHIPS}")
+    """Serve only on the chips whose ATB paged-attention ops take ND caches in fp16 and bf16 (Atlas A2/A3).
+
+    The Atlas inference cards (310P, 310B) take float16 only and FRACTAL_NZ-format caches (vllm-ascend's
+    310P worker); the first Ascend 910 generation has no bf16; newer chips have not been looked at."""
+    if not SUPPORTED_CHIP.match(name):
+        kind = "an Atlas inference chip, whose paged-attention ops need float16 and NZ-format KV caches" \
+            if name.lower().startswith("ascend310") else "not a chip npu-llm's ATB kernels are known to run on"
+        raise NpuHostError(f"{name or 'this NPU'} is {kind}", f"serve on {SUPPORTED_CHIPS}")

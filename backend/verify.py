@@ -5,11 +5,14 @@ run through the model on the device, in the engine's kernels and dtype, and thro
 kernels/torch_ref.py on the CPU in float32, from the same weights. Compared:
 - the hidden states after each group of layers, over every prompt token (cosine similarity, and
   the largest absolute error relative to the reference's largest value);
-- the logits, both prompts' last tokens and every decode step, where the device is fed the
+- the logits: of each prompt's last token, prefilled whole and again in two chunks (the chunked-
+  prefill attention: splitfuse on the NPU), and of every decode step, where the device is fed the
   reference's greedy tokens (so one early difference does not decide every later step);
 - top-1 agreement of those logits, and greedy agreement: how many of the device's own greedy
   tokens, generated freely, match the reference's before the first difference.
 Each figure passes or fails against the tolerance of the device's dtype (TOLERANCES; docs/npu.md).
+Of the engine flags, --model, --tokenizer, --device, --dtype and --block-size apply; the runs are
+eager, one sequence at a time.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.runner import ModelRunner, SequenceChunk
 from backend.engine.tokenizer import load_tokenizer
-from backend.models.loader import load_model
+from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform
 from kernels import ops_for, torch_ref
@@ -74,7 +77,7 @@ class _Side:
     """One model (device or reference) with its own KV cache, recording each layer's output."""
 
     def __init__(self, model, device: torch.device, block_size: int, max_len: int):
-        self.model, self.block_size = model, block_size
+        self.model = model
         self.blocks_per_seq = cdiv(max_len, block_size)
         self.runner = ModelRunner(model, self.blocks_per_seq, block_size, device)
         self.layer_outputs: list[torch.Tensor] = []  # of the last prefill
@@ -89,12 +92,20 @@ class _Side:
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         self.layer_outputs, self.recording = [], True
         try:
-            return self._step(SequenceChunk(token_ids, 0, list(range(self.blocks_per_seq))))
+            return self._step(SequenceChunk(token_ids, 0, self._table()))
         finally:
             self.recording = False
 
+    def prefill_in_two_chunks(self, token_ids: list[int]) -> torch.Tensor:
+        half = len(token_ids) // 2
+        self.runner.execute([SequenceChunk(token_ids[:half], 0, self._table(), wants_logits=False)])
+        return self._step(SequenceChunk(token_ids[half:], half, self._table()))
+
     def decode(self, token_id: int, num_computed: int) -> torch.Tensor:
-        return self._step(SequenceChunk([token_id], num_computed, list(range(self.blocks_per_seq))))
+        return self._step(SequenceChunk([token_id], num_computed, self._table()))
+
+    def _table(self) -> list[int]:
+        return list(range(self.blocks_per_seq))
 
     def _step(self, chunk: SequenceChunk) -> torch.Tensor:
         return self.runner.execute([chunk])[0].float().cpu()
@@ -110,40 +121,49 @@ def _relative_error(device: torch.Tensor, reference: torch.Tensor) -> float:
 
 def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) -> tuple[str, list[Figure]]:
     """(a heading, the figures): the model on config.device in config.dtype against torch_ref in fp32."""
+    if steps < 1:
+        raise ValueError(f"steps={steps}: compare at least one decode step")
     platform = resolve_platform(config.device)
     model_dir = resolve_model(config.model)
+    config.finalize(platform.name, max_model_len_of(load_config(model_dir)))
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     encoded = [tokenizer.encode(p) for p in prompts]
-    max_len = max(map(len, encoded)) + steps + 1
-    block_size = config.block_size or (128 if platform.name == "npu" else 16)
+    max_len = max(map(len, encoded)) + steps
     model, _, _ = load_model(model_dir, ops_for(platform.name), platform.device, config.dtype, max_len)
     reference, _, _ = load_model(model_dir, torch_ref, "cpu", "float32", max_len)
-    device, cpu = _Side(model, platform.device, block_size, max_len), _Side(reference, torch.device("cpu"), block_size, max_len)
+    device = _Side(model, platform.device, config.block_size, max_len)
+    cpu = _Side(reference, torch.device("cpu"), config.block_size, max_len)
 
-    groups = [list(range(g * len(model.model.layers) // LAYER_GROUPS, (g + 1) * len(model.model.layers) // LAYER_GROUPS))
-              for g in range(LAYER_GROUPS)]
-    hidden = {i: ([], []) for i in range(len(groups))}  # group -> (device states, reference states)
+    num_layers = len(model.model.layers)
+    groups = [range(g * num_layers // LAYER_GROUPS, (g + 1) * num_layers // LAYER_GROUPS) for g in range(LAYER_GROUPS)]
+    hidden = {g: ([], []) for g in range(len(groups))}  # group -> (device states, reference states)
     logits, top1, greedy = ([], []), [], []
+
+    def compare(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        logits[0].append(ours), logits[1].append(theirs)
+        top1.append(int(ours.argmax()) == int(theirs.argmax()))
+
     for ids in encoded:
         ours, theirs = device.prefill(ids), cpu.prefill(ids)
         for g, layers in enumerate(groups):
             hidden[g][0].append(device.layer_outputs[layers[-1]])
             hidden[g][1].append(cpu.layer_outputs[layers[-1]])
+        compare(device.prefill_in_two_chunks(ids), theirs)
         reference_tokens = []
         for step in range(steps):  # teacher-forced: both are fed the reference's greedy token
-            logits[0].append(ours), logits[1].append(theirs)
-            top1.append(int(ours.argmax()) == int(theirs.argmax()))
+            compare(ours, theirs)
             reference_tokens.append(int(theirs.argmax()))
-            ours = device.decode(reference_tokens[-1], len(ids) + step)
-            theirs = cpu.decode(reference_tokens[-1], len(ids) + step)
-        own = device.prefill(ids)
-        agreed = 0
+            if step + 1 < steps:
+                ours = device.decode(reference_tokens[-1], len(ids) + step)
+                theirs = cpu.decode(reference_tokens[-1], len(ids) + step)
+        own, agreed = device.prefill(ids), 0
         for step in range(steps):  # free-running: the device follows its own greedy tokens
             token = int(own.argmax())
             if token != reference_tokens[step]:
                 break
             agreed += 1
-            own = device.decode(token, len(ids) + step)
+            if step + 1 < steps:
+                own = device.decode(token, len(ids) + step)
         greedy.append(agreed / steps)
 
     tolerance = TOLERANCES[model.dtype]
@@ -152,7 +172,8 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
         ours, theirs = torch.cat(hidden[g][0]), torch.cat(hidden[g][1])
         name = f"layers {layers[0] + 1}-{layers[-1] + 1}"
         figures += [Figure(f"{name} cosine", _cosine(ours, theirs), tolerance.cosine, True),
-                    Figure(f"{name} max abs error / max |ref|", _relative_error(ours, theirs), tolerance.relative_error, False)]
+                    Figure(f"{name} max abs error / max |ref|", _relative_error(ours, theirs),
+                           tolerance.relative_error, False)]
     ours, theirs = torch.stack(logits[0]), torch.stack(logits[1])
     figures += [
         Figure("logits cosine", _cosine(ours, theirs), tolerance.cosine, True),
@@ -160,8 +181,9 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
         Figure("logits top-1 agreement", sum(top1) / len(top1), tolerance.top1, True),
         Figure(f"greedy tokens agreed ({steps} steps)", sum(greedy) / len(greedy), tolerance.greedy, True),
     ]
-    heading = (f"{model_dir.name} on {platform.device} in {str(model.dtype).removeprefix('torch.')} against "
-               f"kernels/torch_ref.py on the CPU in float32: {len(prompts)} prompts, {steps} steps")
+    dtype = str(model.dtype).removeprefix("torch.")
+    heading = (f"{model_dir.name} on {platform.device} in {dtype} against kernels/torch_ref.py on the CPU in "
+               f"float32: {len(prompts)} prompts, {steps} steps")
     return heading, figures
 
 

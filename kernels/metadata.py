@@ -26,7 +26,8 @@ class GraphCapture:
     # Kernels whose attention op takes host arguments append a function that re-issues it with
     # the step's context lengths before each replay.
     updates: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
-    # The attention op's scratch memory: the layers run one after another, so one serves them all.
+    # The attention op's scratch memory: the layers run one after another, so one serves them all
+    # (and the graphs of one batch size, captured widest first, share it too).
     workspace: torch.Tensor | None = None
 
 

@@ -54,3 +54,27 @@ def test_cuda_graphs_match_eager():
     assert graphed.engine.runner.decode_graphs.num_replays >= params.max_tokens - 1
     for a, b in zip(graphed_outputs, LLM(**args).generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_verify_passes_on_the_gpu():
+    from backend.config import EngineConfig
+    from backend.verify import verify
+
+    _, figures = verify(EngineConfig(device="cuda", dtype="bfloat16"), steps=16)
+    assert all(f.passed for f in figures), [(f.name, f.value) for f in figures if not f.passed]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_the_kv_cache_gets_what_is_left_and_no_more(enforce_eager):
+    from backend import LLM
+
+    torch.cuda.empty_cache()
+    engine = LLM(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_seqs=16,
+                 enforce_eager=enforce_eager).engine
+    split = engine.memory_split
+    assert split.weights > 0 and split.activations > 0 and (split.graphs > 0) == (not enforce_eager)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # at rest, plus the largest step's temporaries: the budget, give or take what CUDA allocates lazily
+    in_use = total - free + split.activations
+    assert split.budget - 2**29 <= in_use <= split.budget + 2**27, (in_use, split)

@@ -44,6 +44,7 @@ def test_with_torch_npu_installed(tmp_path):
     assert " OK " in _row(ready.stdout, "CANN environment")
     assert " OK " in _row(ready.stdout, "NPU graph mode")
     assert " OK " in _row(ready.stdout, "ATB ops (CANN NNAL)") and "Ascend910B3" in _row(ready.stdout, "NPU chip")
+    assert " INFO " in _row(ready.stdout, "one rope table per process")
     broken = _doctor(env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann), "FAKE_NPU_NNAL": "0",
                           "FAKE_NPU_SOC": "Ascend310P3"})
     assert broken.returncode == 1

@@ -1,6 +1,7 @@
 """The NPU path against a faithful fake torch_npu (no Ascend hardware here): ops, checks, the whole engine."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -75,13 +76,17 @@ def test_a_host_without_nnal_fails_at_start_not_mid_request(fake_npu, monkeypatc
         resolve_platform("npu")
 
 
-def test_atlas_inference_chips_are_refused(fake_npu, monkeypatch):
+@pytest.mark.parametrize("chip, why", [("Ascend310P3", "an Atlas inference chip.*float16"),
+                                       ("Ascend910A", "not a chip npu-llm's ATB kernels are known to run on")])
+def test_chips_other_than_atlas_a2_a3_are_refused(fake_npu, monkeypatch, chip, why):
     from backend.npu_host import NpuHostError
     from backend.platform import resolve_platform
 
-    monkeypatch.setenv("FAKE_NPU_SOC", "Ascend310P3")
-    with pytest.raises(NpuHostError, match="Ascend310P3 is an Atlas inference chip.*float16.*Ascend910B"):
+    monkeypatch.setenv("FAKE_NPU_SOC", chip)
+    with pytest.raises(NpuHostError, match=f"{chip} is {why}.*serve on Atlas A2/A3"):
         resolve_platform("npu")
+    monkeypatch.setenv("FAKE_NPU_SOC", "Ascend910_9391")
+    assert resolve_platform("npu").name == "npu"
 
 
 @pytest.mark.slow
@@ -183,13 +188,15 @@ def test_kv_cache_gets_what_weights_activations_and_graphs_leave(fake_npu, monke
 
     monkeypatch.setenv("FAKE_NPU_MEMORY_GB", "3")
     caplog.set_level("INFO", logger="backend.engine.engine")
+    gc.collect()
+    leftover = torch.npu.memory_allocated()  # (device tensors earlier tests still hold count as "other")
     args = dict(device="npu", dtype="bfloat16", max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.7,
                 max_seq_len_to_capture=256, enforce_eager=enforce_eager)
     small = LLM(max_num_batched_tokens=256, **args).engine
     split = small.memory_split
     assert split.total == 3 * 2**30 and split.budget == int(0.7 * 3 * 2**30)
     # the runtime's context and the rotary op's cached tables; the profile's freed blocks are not mistaken for used memory
-    assert 0 <= split.other - fake_npu.CONTEXT_BYTES < 2**20
+    assert 0 <= split.other - fake_npu.CONTEXT_BYTES - leftover < 2**20
     assert "weights 0.25, activations 0.0" in caplog.text and f"({small.kv.num_blocks} blocks)" in caplog.text
     tensors = [*small.model.parameters(), *small.model.buffers()]
     weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -198,7 +205,7 @@ def test_kv_cache_gets_what_weights_activations_and_graphs_leave(fake_npu, monke
     per_block = small.runner.bytes_per_block(small.model, 128)
     assert small.kv.num_blocks == split.kv_cache // per_block
     # the whole budget is used, and nothing beyond it: serving never needs more than was set aside
-    in_use = torch.npu.memory_allocated() + split.other + split.activations
+    in_use = torch.npu.memory_allocated() - leftover + split.other + split.activations
     assert split.budget - per_block <= in_use <= split.budget
     del small
     large = LLM(max_num_batched_tokens=1024, **args).engine  # (the small engine's memory counts as "other" if alive)
@@ -338,6 +345,21 @@ def test_graph_mode_on_npu_equals_eager(fake_npu):
     assert eager.engine.runner.decode_graphs is None  # eager is the default
     for a, b in zip(graphed_outputs, eager.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_one_workspace_serves_every_graph_of_a_batch_size(fake_npu, monkeypatch):
+    from backend import LLM
+    from kernels import npu
+
+    monkeypatch.setattr(npu, "decode_graph_widths", lambda max_len, block_size: [128, max_len])
+    llm = LLM(device="npu", dtype="bfloat16", num_kv_blocks=4, max_num_seqs=2, max_model_len=256,
+              enforce_eager=False)
+    graphs = llm.engine.runner.decode_graphs
+    assert sorted(graphs.graphs) == [(1, 128), (1, 256), (2, 128), (2, 256)]
+    for size in (1, 2):
+        assert graphs.graphs[size, 128].capture.workspace is graphs.graphs[size, 256].capture.workspace
+    assert graphs.graphs[1, 256].capture.workspace is not graphs.graphs[2, 256].capture.workspace
+    assert fake_npu.calls["_npu_paged_attention_get_workspace"] == 2 * 2
 
 
 def test_graph_mode_needs_the_paged_attention_workspace_api(fake_npu, monkeypatch):

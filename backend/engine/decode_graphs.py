@@ -72,12 +72,14 @@ class DecodeGraphs:
         start, pool = time.perf_counter(), new_pool()
         # Largest first, so the smaller graphs fit into the memory the largest one reserved.
         for size in reversed(self.batch_sizes):
+            workspace = None  # the attention op's, shared by the graphs of one batch size (widest first)
             for width in reversed(self.widths):
                 self._forward(size, self._metadata(size, width))  # warm-up: no lazy initialisation under capture
-                graph, metadata = graph_class(), self._metadata(size, width, capturing=True)
+                graph, metadata = graph_class(), self._metadata(size, width, GraphCapture(workspace=workspace))
                 with capturing(graph, pool=pool):
                     hidden = self._forward(size, metadata)
                 self.graphs[size, width] = _Captured(graph, hidden, metadata.graph_capture)
+                workspace = metadata.graph_capture.workspace
         self.platform.synchronize()
         log.info("captured %d decode graphs (batch sizes %s, context widths %s) in %.1f s", len(self.graphs),
                  self.batch_sizes, self.widths, time.perf_counter() - start)
@@ -105,13 +107,13 @@ class DecodeGraphs:
         self.num_replays += 1
         return captured.hidden[:batch]
 
-    def _metadata(self, size: int, width: int, capturing: bool = False) -> AttentionMetadata:
+    def _metadata(self, size: int, width: int, capture: GraphCapture | None = None) -> AttentionMetadata:
         # Host-side lengths are the width: shapes (and the NPU op's workspace) are sized for the longest
         # context the graph will see; the real lengths come from context_lens or the graph updates.
         return AttentionMetadata(
             query_lens=[1] * size, context_lens=[width] * size, num_decodes=size, block_size=self.block_size,
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-            context_lens_tensor=self.context_lens[:size], graph_capture=GraphCapture() if capturing else None,
+            context_lens_tensor=self.context_lens[:size], graph_capture=capture,
         )
 
     def _forward(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:

@@ -110,8 +110,8 @@ class LLMEngine:
 
     def _blocks_that_fit(self, weights: int) -> int:
         per_block = ModelRunner.bytes_per_block(self.model, self.config.block_size)
-        if self.platform.name == "cpu":
-            budget, split = self.config.kv_cache_memory_gb * 2**30, None
+        if self.platform.name == "cpu":  # (a budget of its own, the scratch block included)
+            budget, split = self.config.kv_cache_memory_gb * 2**30 - per_block, None
         else:
             graphs = None if self.config.enforce_eager else self._trial_decode_graphs
             split = memory.profile(self.platform, self.config.gpu_memory_utilization, weights, self._largest_step,

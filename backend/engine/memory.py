@@ -5,6 +5,7 @@ is accounted for:
 - weights (and the rope table): held from load on;
 - activations: the peak of one forward pass over `max_num_batched_tokens` tokens plus the logits
   of `max_num_seqs` rows, the largest step the scheduler can build (vLLM's profile_run);
+- activations also cover a decode step of `max_num_seqs` sequences at `max_model_len`;
 - decode graphs: measured by capturing them once against the scratch block and dropping them,
   since graphs captured for real must read the KV cache they are sized against;
 - everything else on the device (the runtime's context, other engines, other processes): what
@@ -32,7 +33,7 @@ class MemorySplit:
     weights: int
     activations: int
     graphs: int
-    other: int  # in use on the device outside torch's tensors
+    other: int  # in use on the device beyond this model's weights: the runtime's context, other engines, processes
 
     @property
     def kv_cache(self) -> int:
@@ -75,9 +76,14 @@ def profile(platform: Platform, utilization: float, weights: int, largest_step, 
     activations = memory.max_memory_allocated(platform.device) - baseline
     graphs = 0
     if capture_graphs is not None:
+        # What the capture takes from the device: its graphs' pool keeps the memory their temporaries used
+        # (reserved, no longer allocated), so free memory is read, with no empty_cache in between.
         settle(platform)
+        free_before = memory.mem_get_info(platform.device)[0]
+        log.info("capturing the decode graphs once to measure their memory")
         trial = capture_graphs()
-        graphs = memory.memory_allocated(platform.device) - baseline
+        platform.synchronize()
+        graphs = free_before - memory.mem_get_info(platform.device)[0]
         del trial  # (its memory goes back before the KV cache is sized)
     settle(platform)
     free, total = memory.mem_get_info(platform.device)

@@ -38,6 +38,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The KV tensors for num_blocks blocks, plus one: a scratch block no request owns, where padded
         rows (and the memory profile) write their K/V. Zero blocks leave only the scratch block."""
+        if self.decode_graphs is not None:
+            raise RuntimeError("the decode graphs read the KV tensors: allocate the cache before capturing them")
         shape = (num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = []  # the old tensors go before the new ones are made
         self.kv_caches = [
@@ -65,18 +67,21 @@ class ModelRunner:
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, max_len: int, num_rows: int) -> torch.Tensor:
-        """The largest step the scheduler can build, its K/V written to the scratch block: num_tokens of
-        prefill in sequences of at most max_len tokens, the first one a chunk at the end of a max_len context
-        (attention's largest temporaries: a chunked prefill or a cached prefix); returns the fp32 logits of
-        num_rows of them."""
-        lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        contexts = [max_len] + lengths[1:]
-        shapes = sorted(zip(lengths, contexts), key=lambda shape: shape[0] != 1)  # the kernels take decodes first
+    def profile_run(self, num_tokens: int, max_len: int, num_seqs: int) -> torch.Tensor:
+        """The largest steps the scheduler can build, their K/V written to the scratch block: a prefill of
+        num_tokens whose first sequence is a chunk after cached context, up to max_len (attention's largest
+        temporaries: a chunked prefill's or a cached prefix's), the rest in sequences of at most max_len;
+        then num_seqs decodes at max_len (the decode attention's). Returns the decode step's fp32 logits."""
+        first = max(1, min(num_tokens, max_len - 1))
+        rest = range(0, num_tokens - first, max_len)
+        self._run_dummy([(first, max(first + 1, max_len))] + [(min(max_len, num_tokens - first - i),) * 2 for i in rest])
+        return self.model.compute_logits(self._run_dummy([(1, max_len)] * num_seqs)).float()
+
+    def _run_dummy(self, shapes: list[tuple[int, int]]) -> torch.Tensor:
+        """Hidden states of a step of (new tokens, context) sequences reading and writing the scratch block."""
+        shapes = sorted(shapes, key=lambda shape: shape[0] != 1)  # the kernels take decodes first
         chunks = [SequenceChunk([0] * n, c - n, [self.scratch_block] * cdiv(c, self.block_size)) for n, c in shapes]
-        hidden = self.model(*self._prepare(chunks, [n for n, _ in shapes], [c for _, c in shapes]))
-        rows = torch.arange(min(num_rows, num_tokens), device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model(*self._prepare(chunks, [n for n, _ in shapes], [c for _, c in shapes]))
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> torch.Tensor:

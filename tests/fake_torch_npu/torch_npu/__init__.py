@@ -110,7 +110,9 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
     _require(is_neox_style, f"{name}: only neox style is used here")
     # The real op builds its cos/sin tables from the first cos_sin_cache it is given, keeps them in
     # static variables for the life of the process and ignores every later table: so does the fake.
-    table = _rope_tables.setdefault("cos_sin", cos_sin_cache.detach().clone())
+    if "cos_sin" not in _rope_tables:
+        _rope_tables["cos_sin"] = cos_sin_cache.detach().clone()
+    table = _rope_tables["cos_sin"]
     if len(positions) and not _graphs.is_capturing():  # (a capture cannot read device values back)
         _require(int(positions.max()) < table.shape[0], f"{name}: position beyond the cached table's {table.shape[0]} rows")
     q, k = torch_ref.rotary_embedding(positions, query.view(len(positions), -1, head_size),
