@@ -15,7 +15,7 @@ def __getattr__(name):
 
         return LLMEngine
     if name == "SamplingParams":
-        from backend.engine.request import SamplingParams
+        from backend.engine.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

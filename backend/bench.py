@@ -10,7 +10,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.llm import LLM
-from backend.engine.request import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 
 def random_prompts(tokenizer, vocab_size: int, num_prompts: int, input_len: str, seed: int) -> list[list[int]]:

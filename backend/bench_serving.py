@@ -14,7 +14,7 @@ import time
 
 from backend.bench import random_prompts
 from backend.config import EngineConfig
-from backend.engine.request import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 
 def _latencies(chunk_times: list[list[float]]) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from backend.engine.engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.tokenizer import chat_prompt_ids
 
 

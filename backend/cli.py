@@ -21,7 +21,7 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 def _cmd_chat(args) -> int:
     from backend.chat import run_chat
     from backend.engine.engine import LLMEngine
-    from backend.engine.request import SamplingParams
+    from backend.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed

@@ -8,8 +8,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from backend.models.registry import DEFAULT_MODEL
-from backend.platform import DEVICE_CHOICES
 
+# (No torch here: the CLI's --help and the gateway read the config without loading torch.)
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # auto: npu > cuda > cpu (backend/platform.py)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+from backend.config import DEVICE_CHOICES
 
 
 # Ascend defaults (vllm-ascend platform.py and its tuning guide), unless the user set them.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.request import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from kernels.metadata import cdiv
 

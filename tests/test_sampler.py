@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
+
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.sampler import sample
 
 VOCAB = 50

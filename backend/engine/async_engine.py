@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from backend.config import EngineConfig
 from backend.engine.engine import EngineStats, LLMEngine, PromptType
 from backend.engine.profiler import ProfileResult
-from backend.engine.request import RequestOutput, SamplingParams
+from backend.engine.outputs import RequestOutput
+from backend.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,9 @@ from backend.engine import memory
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
-from backend.engine.request import Request, RequestOutput, SamplingParams
+from backend.engine.outputs import RequestOutput
+from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.runner import ModelRunner, SequenceChunk
 from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler

@@ -4,7 +4,8 @@ from __future__ import annotations
 from backend.config import EngineConfig
 from backend.engine.engine import LLMEngine, PromptType
 from backend.engine.profiler import ProfileResult
-from backend.engine.request import RequestOutput, SamplingParams
+from backend.engine.outputs import RequestOutput
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.tokenizer import chat_prompt_ids
 
 

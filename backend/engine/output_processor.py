@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.request import CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput
+from backend.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from backend.engine.request import Request
 from backend.engine.sampler import SampledToken
 from kernels.timing import scope
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.request import Logprob, Request
+from backend.engine.outputs import Logprob
+
+from backend.engine.request import Request
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backend.engine.request import INT64_MAX, INT64_MIN, TokenId
+from backend.engine.sampling_params import INT64_MAX, INT64_MIN, TokenId
 
 
 class OpenAIModel(BaseModel):

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.engine.request import RequestOutput, SamplingParams
+from backend.engine.outputs import RequestOutput
+
+from backend.engine.sampling_params import SamplingParams
 
 # Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
 # vllm_backend's own prefix for a request's errors, so that its clients read ours the same way.

@@ -1,0 +1,13 @@
+"""The command line and the gateway load without torch: `npu-llm --help` answers at once, and the gateway
+process (an HTTP front end) keeps torch's few hundred MB out of its imports."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_the_cli_and_the_gateway_modules_do_not_import_torch():
+    code = ("import sys, backend.cli, backend.gateway.app, backend.triton.contract; backend.cli.build_parser(); "
+            "loaded = [m for m in ('torch', 'torch_npu') if m in sys.modules]; assert not loaded, loaded")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
