@@ -54,14 +54,14 @@ def check_port_free(port: int, name: str) -> None:
 
 
 def wait_http(url: str, process: subprocess.Popen, name: str, timeout: float = READY_TIMEOUT_S,
-              stop: threading.Event | None = None) -> None:
+              stop: threading.Event | None = None, headers: dict[str, str] | None = None) -> None:
     """Until `url` answers 200 (or `stop` is set); fails early if the process serving it exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not (stop and stop.is_set()):
         if process.poll() is not None:
             raise LaunchError(f"{name} exited with status {process.returncode} before it was ready (see its log above)")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):

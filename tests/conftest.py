@@ -189,12 +189,12 @@ GATEWAY_API_KEY = "test-key"
 
 
 def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None = GATEWAY_API_KEY):
-    """`npu-llm gateway` as a real process; returns it once it answers HTTP."""
+    """`npu-llm gateway` as a real process; returns it once it answers HTTP (its model list, which needs no Triton)."""
     import subprocess
     import sys
-    import time
 
-    import httpx
+    from backend.serve import wait_http
+    from backend.triton.launcher import LaunchError
 
     argv = [sys.executable, "-m", "backend.cli", "gateway", "--triton-url", triton_grpc_url, "--port", str(port),
             "--max-body-bytes", "200000"]
@@ -202,16 +202,12 @@ def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None
         argv += ["--api-key", api_key]
     process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + 120
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise RuntimeError(f"gateway did not start: {open(log_path).read()[-3000:]}")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", process, "gateway", timeout=120, headers=headers)
+    except LaunchError as e:
+        process.kill()
+        raise RuntimeError(f"{e}: {open(log_path).read()[-3000:]}") from e
+    return process
 
 
 @pytest.fixture(scope="session")
