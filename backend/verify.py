@@ -11,8 +11,8 @@ kernels/torch_ref.py on the CPU in float32, from the same weights. Compared:
 - top-1 agreement of those logits, and greedy agreement: how many of the device's own greedy
   tokens, generated freely, match the reference's before the first difference.
 Each figure passes or fails against the tolerance of the device's dtype (TOLERANCES; docs/npu.md).
-Of the engine flags, --model, --tokenizer, --device, --dtype and --block-size apply; the runs are
-eager, one sequence at a time.
+Of the engine flags, --model, --tokenizer, --device, --dtype, --block-size and --no-enforce-eager
+(decode steps replayed from captured graphs) apply; one sequence runs at a time.
 """
 from __future__ import annotations
 
@@ -133,6 +133,8 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
     reference, _, _ = load_model(model_dir, torch_ref, "cpu", "float32", max_len)
     device = _Side(model, platform.device, config.block_size, max_len)
     cpu = _Side(reference, torch.device("cpu"), config.block_size, max_len)
+    if not config.enforce_eager:  # the device's decode steps replay captured graphs
+        device.runner.capture_decode_graphs(platform, 1, max_len)
 
     num_layers = len(model.model.layers)
     groups = [range(g * num_layers // LAYER_GROUPS, (g + 1) * num_layers // LAYER_GROUPS) for g in range(LAYER_GROUPS)]
@@ -182,8 +184,9 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
         Figure(f"greedy tokens agreed ({steps} steps)", sum(greedy) / len(greedy), tolerance.greedy, True),
     ]
     dtype = str(model.dtype).removeprefix("torch.")
-    heading = (f"{model_dir.name} on {platform.device} in {dtype} against kernels/torch_ref.py on the CPU in "
-               f"float32: {len(prompts)} prompts, {steps} steps")
+    mode = "eager" if config.enforce_eager else "decode graphs"
+    heading = (f"{model_dir.name} on {platform.device} in {dtype} ({mode}) against kernels/torch_ref.py on the CPU "
+               f"in float32: {len(prompts)} prompts, {steps} steps")
     return heading, figures
 
 
