@@ -3,9 +3,9 @@
 The KV cache takes what is left of `gpu_memory_utilization` of the device once everything else
 is accounted for:
 - weights (and the rope table): held from load on;
-- activations: the peak of one forward pass over `max_num_batched_tokens` tokens plus the logits
-  of `max_num_seqs` rows, the largest step the scheduler can build (vLLM's profile_run);
-- activations also cover a decode step of `max_num_seqs` sequences at `max_model_len`;
+- activations: the peak of the largest steps the scheduler can build (vLLM's profile_run): a prefill
+  of `max_num_batched_tokens` tokens, then `max_num_seqs` decodes at `max_model_len` with their
+  logits and sampling (ModelRunner.profile_run);
 - decode graphs: measured by capturing them once against the scratch block and dropping them,
   since graphs captured for real must read the KV cache they are sized against;
 - everything else on the device (the runtime's context, other engines, other processes): what
