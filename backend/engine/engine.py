@@ -7,6 +7,7 @@ requests are aborted (their blocks freed) and reported by take_failures().
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import operator
@@ -27,6 +28,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.runner import ModelRunner, SequenceChunk
 from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
+from backend.engine.structured_outputs import StructuredOutputs
 from backend.engine.tokenizer import eos_token_ids, load_tokenizer
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
@@ -36,6 +38,9 @@ from kernels.metadata import cdiv
 from kernels.timing import scope
 
 log = logging.getLogger(__name__)
+
+# An idle step waits this long for a grammar being compiled, instead of spinning.
+GRAMMAR_WAIT_S = 0.05
 
 # Forward passes failing this many times in a row mean the device (not a request) is broken: the
 # engine stops (AsyncEngine reports it dead), as vLLM's does on a device error.
@@ -85,6 +90,8 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self._compiling: list[Request] = []  # sequences whose grammar is being compiled
         self._aborted: list[RequestOutput] = []
         self._failures: dict[str, BaseException] = {}  # request id -> why it failed, until take_failures()
         self._failed_steps = 0  # forward passes that failed in a row
@@ -170,6 +177,10 @@ class LLMEngine:
         max_tokens = self._check_request(ids, params)
         children = [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
                     for i, cid in enumerate(child_ids)]
+        if params.structured_outputs is not None:
+            for child in children:  # one matcher each, from one compilation
+                child.grammar = self.structured_outputs.grammar_for(params.structured_outputs)
+            self._compiling += children
         self.outputs.add(request_id, text, children)
         for child in children:
             self.scheduler.add(child)
@@ -258,15 +269,20 @@ class LLMEngine:
         """Schedule, run the model once, sample, update; outputs of the requests that changed."""
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
+        self._fail_bad_grammars()
         with scope("step"):
             with scope("schedule"):
                 scheduled = self.scheduler.schedule()
             if scheduled:
                 logits = self._execute(scheduled)
                 sampled = self._sample(scheduled, logits) if logits is not None else {}
+                self._advance_grammars(scheduled, sampled)
                 advanced = self.scheduler.update_from_output(scheduled, {i: s.token_id for i, s in sampled.items()})
                 self._account(scheduled, len(advanced))
                 outputs += self._process_outputs(advanced, sampled)
+        if not scheduled and self._compiling:  # nothing else to run: wait for a grammar, don't spin
+            concurrent.futures.wait([r.grammar.compiled for r in self._compiling], GRAMMAR_WAIT_S,
+                                    concurrent.futures.FIRST_COMPLETED)
         if scheduled and self.profiler is not None and self.profiler.active:
             decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
             self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
@@ -319,6 +335,30 @@ class LLMEngine:
                 except Exception as e:
                     self._fail_sequence(request, e)
             return sampled
+
+    def _fail_bad_grammars(self) -> None:
+        """Requests whose spec did not compile fail with the compiler's message (a client error)."""
+        compiling = []
+        for request in self._compiling:
+            if request.grammar is None:  # finished (aborted) while it compiled
+                continue
+            if not request.grammar.ready:
+                compiling.append(request)
+            elif request.grammar.error is not None:
+                self._fail_sequence(request, request.grammar.error)
+        self._compiling = compiling
+
+    def _advance_grammars(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken]) -> None:
+        """Each constrained sequence's matcher takes its sampled token (before the scheduler appends it)."""
+        for s in scheduled:
+            request, token = s.request, sampled.get(s.request.request_id)
+            if request.grammar is None or token is None:
+                continue
+            try:
+                request.grammar.accept(token.token_id)
+            except Exception as e:
+                del sampled[request.request_id]
+                self._fail_sequence(request, e)
 
     def _process_outputs(self, advanced: list[Request], sampled: dict[str, SampledToken]) -> list[RequestOutput]:
         """Detokenize and check stop strings for each sequence that got a token; one output per user request."""

@@ -41,6 +41,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
+        self.grammar = None  # a SequenceGrammar when params.structured_outputs asks for one (set by the engine)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,6 +54,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def finished(self) -> bool:
@@ -75,3 +80,4 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finish_time = time.time()
+        self.grammar = None  # its matcher is no longer needed

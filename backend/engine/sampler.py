@@ -1,10 +1,10 @@
-"""Token sampling for a batch, vectorised: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Token sampling for a batch, vectorised: grammars, penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Each seeded request draws its randomness from its own generator, so its samples do not
 depend on what else is in the batch. Sampling uses the exponential-race form of a
 categorical draw (argmax of p / Exp(1)), as vLLM does, which needs one uniform per token.
 Logprobs are raw: the model's log-softmax before penalties, temperature and filtering
-(vLLM v1's default logprobs_mode, "raw_logprobs").
+(vLLM v1's default logprobs_mode, "raw_logprobs"), over the tokens a request's grammar allows.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from backend.engine.outputs import Logprob
 
 from backend.engine.request import Request
+from backend.engine.structured_outputs import apply_grammars
 
 
 @dataclass
@@ -30,8 +31,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     device = logits.device
     params = [r.params for r in requests]
     wants_logprobs = any(p.logprobs is not None for p in params)
-    logprobs_all = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     logits = logits.clone()  # the caller may sample these rows again, one by one, if this batch fails
+    if any(r.grammar is not None for r in requests):
+        apply_grammars(logits, [r.grammar for r in requests])
+    logprobs_all = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     _apply_min_tokens(logits, requests)
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
         _apply_penalties(logits, requests)
@@ -68,7 +71,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     for row, r in enumerate(requests):
         if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
-            logits[row, list(r.stop_token_ids)] = float("-inf")
+            stops = list(r.stop_token_ids)
+            kept = logits[row, stops].clone()
+            logits[row, stops] = float("-inf")
+            if r.grammar is not None and not bool(logits[row].isfinite().any()):
+                logits[row, stops] = kept  # the grammar can only end here: it wins over min_tokens
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -2,7 +2,8 @@
 gateway and the Triton contract use it without loading torch)."""
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -11,6 +12,60 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5
 
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputsParams(BaseModel):
+    """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON schema, any JSON
+    object, a regular expression, one of a list of strings, or an EBNF grammar (xgrammar's dialect).
+
+    Checked for shape here; whether the schema, regex or grammar compiles is learnt when the engine compiles
+    it (backend/engine/structured_outputs.py), which fails the request with the compiler's message.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # a schema, or its JSON text
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    # vLLM's switch: True keeps JSON compact (no free whitespace between tokens)
+    disable_any_whitespace: bool = False
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_text(cls, value):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if value is not None and not isinstance(value, (dict, bool)):
+            raise ValueError("the JSON schema must be a JSON object")
+        return {} if value is True else value
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in _KINDS if self.spec_value(name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice or grammar"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+    def spec_value(self, kind: str):
+        return self.json_schema if kind == "json" else getattr(self, kind)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if self.spec_value(k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """One key per distinct grammar (the compile cache's)."""
+        return self.kind, json.dumps(self.spec_value(self.kind), sort_keys=True), self.disable_any_whitespace
 
 
 class SamplingParams(BaseModel):
@@ -40,6 +95,18 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)  # top-k alternatives per token, besides the sampled one
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _structured_outputs_text(cls, value):
+        """Triton's vllm_backend passes structured_outputs as JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs is not valid JSON: {e}") from None
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -59,6 +126,12 @@ class SamplingParams(BaseModel):
     def _min_below_max(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _grammar_ends_with_eos(self):
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be used with structured_outputs: the grammar ends the output at EOS")
         return self
 
     @property

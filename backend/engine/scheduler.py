@@ -70,8 +70,12 @@ class Scheduler:
 
         # New requests only when nobody had to make room this step.
         computing: set[int] = set()  # hashes of the full blocks that requests admitted in this step will fill
+        compiling: list[Request] = []  # passed over until their grammar is compiled (vLLM's WAITING_FOR_FSM)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
+            if request.waiting_for_grammar:
+                compiling.append(self.waiting.popleft())
+                continue
             hits = self.kv.find_cached_prefix(request)
             num_cached = len(hits) * self.kv.block_size
             if self._next_block_being_computed(request, len(hits), computing):
@@ -95,6 +99,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return scheduled
 
     def _next_block_being_computed(self, request: Request, num_hits: int, computing: set[int]) -> bool:
@@ -125,7 +130,8 @@ class Scheduler:
             if token is None:
                 continue
             request.append_output_token(token)
-            if request.can_stop and token in request.stop_token_ids:
+            grammar_ended = request.grammar is not None and request.grammar.terminated  # min_tokens yielded to it
+            if (request.can_stop or grammar_ended) and token in request.stop_token_ids:
                 self.finish(request, "stop", None if token in request.eos_token_ids and not request.params.ignore_eos
                             else token)
             elif request.num_output_tokens >= request.max_tokens:

@@ -125,11 +125,36 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
     if stream and flags["exclude_input_in_output"] is False:
         raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
     flags = {name: bool(value) for name, value in flags.items()}
+    _from_guided_decoding(values)
     try:
         params = SamplingParams(**values)
     except ValueError as e:  # pydantic's message names each offending field
         raise ValueError(f"invalid sampling parameters: {e}") from None
     return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids, **flags)
+
+
+# guided_decoding.backend values vllm_backend lets through (it maps them all to xgrammar, as we do)
+XGRAMMAR_BACKENDS = ("xgrammar", "xgrammar:no-fallback", "auto", "xgrammar:_auto")
+
+
+def _from_guided_decoding(values: dict) -> None:
+    """vLLM's older guided_decoding key (an object or its JSON text), as structured_outputs, in place, as
+    vllm_backend maps it; structured_outputs wins when both are given."""
+    guided = values.pop("guided_decoding", None)
+    if guided is None:
+        return
+    if isinstance(guided, str):
+        try:
+            guided = json.loads(guided)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"guided_decoding is not valid JSON: {e}") from None
+    if not isinstance(guided, dict):
+        raise ValueError("guided_decoding must be a JSON object")
+    guided = dict(guided)
+    backend = guided.pop("backend", None)
+    if backend is not None and backend not in XGRAMMAR_BACKENDS:
+        raise ValueError(f"guided_decoding.backend {backend!r} is not available; this server uses xgrammar")
+    values.setdefault("structured_outputs", guided)
 
 
 def _as_bool(value, name: str) -> bool | None:

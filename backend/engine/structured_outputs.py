@@ -1,0 +1,142 @@
+"""Structured outputs: xgrammar grammars that constrain sampling (vLLM's StructuredOutputManager).
+
+A request's spec (backend/engine/sampling_params.py StructuredOutputsParams) compiles once per
+distinct spec, on a thread of its own, so the step loop keeps decoding other requests meanwhile;
+the scheduler holds the request back until its grammar is ready (vLLM's WAITING_FOR_FSM). Each
+sequence then has its own matcher, which follows its sampled tokens. A step fills one bitmask
+for all constrained rows and masks their logits before sampling; unconstrained rows are left
+alone. The mask is plain torch, so the same code runs on CPU, CUDA and NPU.
+
+xgrammar is imported on the first constrained request, on the compile thread.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from backend.engine.sampling_params import StructuredOutputsParams
+
+# Distinct compiled grammars kept (vLLM's xgrammar cache is bounded in bytes; a count is simpler to reason about).
+GRAMMAR_CACHE_SIZE = 256
+# The C++ source location xgrammar puts before its messages ("[12:00:00] /project/cpp/x.cc:94: ...").
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarError(ValueError):
+    """The spec does not compile: a bad JSON schema, regex or grammar (a client error)."""
+
+
+class SequenceGrammar:
+    """One sequence's grammar: the compiled grammar (a future until compiled), then its matcher."""
+
+    def __init__(self, compiled: Future):
+        self.compiled = compiled
+        self._matcher = None
+
+    @property
+    def ready(self) -> bool:
+        return self.compiled.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.compiled.exception() if self.ready else None
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            import xgrammar
+
+            self._matcher = xgrammar.GrammarMatcher(self.compiled.result())
+        return self._matcher
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar accepted a stop token: the output is complete."""
+        return self._matcher is not None and self._matcher.is_terminated()
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.accept_token(token_id):
+            raise RuntimeError(f"token {token_id} does not follow the request's grammar")
+
+
+class StructuredOutputs:
+    """Compiles specs for one tokenizer, off the step loop, and caches the results (LRU by spec)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._compiler = None  # made on the compile thread, on first use
+        self._executor: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()  # the step thread's alone
+
+    def grammar_for(self, spec: StructuredOutputsParams) -> SequenceGrammar:
+        """A new sequence's grammar; compiles the spec unless an earlier request already did (or is doing it)."""
+        future = self._cache.get(spec.key)
+        if future is None:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="npu-llm-grammar")
+            future = self._cache[spec.key] = self._executor.submit(self._compile, spec)
+        self._cache.move_to_end(spec.key)
+        while len(self._cache) > GRAMMAR_CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return SequenceGrammar(future)
+
+    def _compile(self, spec: StructuredOutputsParams):
+        compiler = self._compiler or self._make_compiler()
+        kind, value = spec.kind, spec.spec_value(spec.kind)
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(json.dumps(value), any_whitespace=not spec.disable_any_whitespace)
+            if kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return compiler.compile_regex(value)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(value))
+            return compiler.compile_grammar(value)
+        except RuntimeError as e:  # xgrammar's parse and conversion errors
+            raise GrammarError(f"structured_outputs.{kind}: {_XGRAMMAR_PREFIX.sub('', str(e)).strip()}") from None
+
+    def _make_compiler(self):
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                       stop_token_ids=self._eos_token_ids)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # our cache is above
+        return self._compiler
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of the strings (JSON string escapes are xgrammar's escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def apply_grammars(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
+    """Mask, in place, each constrained row's logits to the tokens its grammar allows next."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), logits.shape[1])
+    for k, row in enumerate(rows):
+        grammars[row].matcher.fill_next_token_bitmask(bitmask, k)
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's int32 bitmask [R, ceil(V/32)] (bit j of word w: token 32w+j allowed) as bools [R, V]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.bool().reshape(bitmask.shape[0], -1)[:, :vocab_size]
