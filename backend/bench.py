@@ -1,4 +1,5 @@
-"""`npu-llm bench throughput`: our LLM vs. Hugging Face `generate` on the same random prompts, one JSON line."""
+"""`npu-llm bench throughput`: our LLM vs. Hugging Face `generate` on the same random prompts, one JSON line.
+With --structured-outputs, a constrained run vs. the same run unconstrained (--baseline unconstrained)."""
 from __future__ import annotations
 
 import json
@@ -43,25 +44,35 @@ def _hf_generate(model_dir, dtype: torch.dtype, prompts, output_len: int, batch_
     return time.perf_counter() - start
 
 
+def _timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams):
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return time.perf_counter() - start, outputs
+
+
 def run_throughput_bench(args) -> dict:
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**config.to_dict())
     engine = llm.engine
     prompts = random_prompts(engine.tokenizer, engine.model_config.vocab_size, args.num_prompts, args.input_len, config.seed)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    unconstrained = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = unconstrained
+    if args.structured_outputs:  # a grammar keeps the output going instead of ignore_eos (which it refuses)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len,
+                                structured_outputs=json.loads(args.structured_outputs))
     num_prompt_tokens = sum(map(len, prompts))
 
-    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=2))  # warm-up
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], params.model_copy(update={"max_tokens": 2}))  # warm-up
     before = engine.stats()
     if config.profile_dir:
         llm.start_profile()
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    elapsed = time.perf_counter() - start
+    elapsed, outputs = _timed_generate(llm, prompts, params)
     profile = llm.stop_profile() if config.profile_dir else None
     stats = engine.stats()
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert num_output_tokens == args.output_len * len(prompts)
+    if num_output_tokens != args.output_len * len(prompts):
+        raise SystemExit(f"outputs ended before --output-len ({num_output_tokens} of {args.output_len * len(prompts)} "
+                         "tokens): give --structured-outputs a spec that needs more tokens (e.g. a large minItems)")
 
     result = {
         "model": config.model,
@@ -81,6 +92,11 @@ def run_throughput_bench(args) -> dict:
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
     }
+    if args.baseline == "unconstrained":
+        base_elapsed, _ = _timed_generate(llm, prompts, unconstrained)
+        result["unconstrained"] = {"elapsed_s": round(base_elapsed, 2),
+                                   "output_tokens_per_s": round(num_output_tokens / base_elapsed, 1)}
+        result["output_throughput_ratio"] = round(base_elapsed / elapsed, 2)
     if args.baseline == "hf":
         dtype = engine.model.dtype
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0

@@ -52,6 +52,7 @@ def _cmd_gateway(args) -> int:
         api_key=args.api_key or os.environ.get("NPU_LLM_API_KEY") or None,
         cors_origins=args.cors_origin or [],
         max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     # On SIGTERM, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cancelled (which cancels them in Triton).
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env NPU_LLM_API_KEY)")
     gateway.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     gateway.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    gateway.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
+                         help="the model's tool-call format for tool_choice=auto (default: read off its chat template)")
     gateway.set_defaults(func=_cmd_gateway)
 
     ui = commands.add_parser("ui", help="Gradio chat UI (a client of the gateway)")
@@ -173,7 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--num-prompts", type=int, default=64)
     throughput.add_argument("--input-len", default="64:512", help="N or MIN:MAX (uniform)")
     throughput.add_argument("--output-len", type=int, default=128)
-    throughput.add_argument("--baseline", choices=("hf", "none"), default="hf")
+    throughput.add_argument("--baseline", choices=("hf", "unconstrained", "none"), default="hf",
+                            help="what our run is compared with: transformers' generate, or (with --structured-outputs) "
+                                 "the same run unconstrained")
+    throughput.add_argument("--structured-outputs", metavar="JSON", default=None,
+                            help='constrain every output, e.g. \'{"json": {"type": "array", "minItems": 100}}\'')
     throughput.add_argument("--hf-batch-size", type=int, default=16)
     throughput.add_argument("--profile", dest="profile_dir", metavar="DIR",
                             help="profile the timed run: a trace and a per-step breakdown into DIR")

@@ -1,6 +1,7 @@
 """The whole stack from `npu-llm up`, driven in a real headless Chromium; then its shutdown."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tests.conftest import free_port
@@ -140,6 +142,37 @@ def test_gateway_error_shows_as_a_message(page, stack):
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('failed')", timeout=60000)
     text = _bot_text(page)
     assert "max_model_len" in text and "Traceback" not in text
+
+
+PET = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                       "age": {"type": "integer", "minimum": 0, "maximum": 30}},
+       "required": ["name", "age"]}
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+
+
+def _reply_done(page) -> str:
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('TTFT')"
+                           " && !document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=120000)
+    return _bot_text(page)
+
+
+def test_json_mode_and_tool_calls_show_readably(page, stack):
+    page.locator("#json-mode input[type=checkbox]").check()
+    page.locator("#json-schema textarea").fill(json.dumps(PET))
+    _ask(page, "Describe my pet.")
+    jsonschema.validate(json.loads(_reply_done(page)), PET)
+
+    page.locator("#json-mode input[type=checkbox]").uncheck()
+    page.locator("#json-schema textarea").fill("")
+    page.locator("#tools textarea").fill(json.dumps(WEATHER_TOOL))
+    page.locator("#tool-choice").get_by_text("required").click()
+    _ask(page, "What is the weather in Oslo?")
+    shown = _reply_done(page)
+    assert "🔧" in shown and "get_weather" in shown
+    arguments = json.loads(page.locator("#chatbot .message.bot").last.locator("code").last.inner_text())
+    jsonschema.validate(arguments, WEATHER_TOOL[0]["function"]["parameters"])
+    page.locator("#tools textarea").fill("")
 
 
 def test_sigterm_stops_everything(stack):

@@ -6,6 +6,7 @@ from Triton's /metrics every few seconds.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 import urllib.request
@@ -56,24 +57,33 @@ class ChatBackend:
         return self._model
 
     async def stream_reply(self, history: list[dict], system: str, temperature: float, top_p: float,
-                           max_tokens: int, seed: float | None):
-        """Yields (reply so far, stats line) while the reply streams."""
+                           max_tokens: int, seed: float | None, json_mode: bool = False, schema: str = "",
+                           tools: str = "", tool_choice: str = "auto"):
+        """Yields (reply so far, stats line) while the reply streams. JSON mode asks for JSON (matching the schema,
+        when one is given); tools (an OpenAI tools list, as JSON) lets the model call them, shown readably."""
         messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
             {"role": m["role"], "content": m["content"]} for m in history]
         start, first, text, chunks, tokens = time.perf_counter(), None, "", 0, None
+        calls: dict[int, dict] = {}  # the tool calls streamed so far, by index
         stream = await self.async_client.chat.completions.create(
             model=self.model(), messages=messages, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens),
-            seed=None if seed is None or seed < 0 else int(seed), stream=True, stream_options={"include_usage": True})
+            seed=None if seed is None or seed < 0 else int(seed), stream=True, stream_options={"include_usage": True},
+            **_output_options(json_mode, schema, tools, tool_choice))
         try:
             async for chunk in stream:
                 if chunk.usage is not None:  # the exact count, in the last chunk
                     tokens = chunk.usage.completion_tokens
-                if chunk.choices and chunk.choices[0].delta.content:
+                delta = chunk.choices[0].delta if chunk.choices else None
+                if delta and (delta.content or delta.tool_calls):
                     first = first or time.perf_counter()
-                    text += chunk.choices[0].delta.content
+                    text += delta.content or ""
+                    for call in delta.tool_calls or []:
+                        entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                        entry["name"] += call.function.name or ""
+                        entry["arguments"] += call.function.arguments or ""
                     chunks += 1  # one per engine step: a token, or a few that complete a character
-                    yield text, _stats(start, first, chunks, streaming=True)
-            yield text, _stats(start, first, tokens or chunks, streaming=False)
+                    yield _reply(text, calls), _stats(start, first, chunks, streaming=True)
+            yield _reply(text, calls), _stats(start, first, tokens or chunks, streaming=False)
         finally:
             await stream.close()  # on Stop too: closing the connection cancels the request on the server
 
@@ -111,6 +121,39 @@ class ChatBackend:
         return pd.DataFrame(rows, columns=["seconds ago", "tokens/s"])
 
 
+def _output_options(json_mode: bool, schema: str, tools: str, tool_choice: str) -> dict:
+    """The request's response_format and tools, from the side panel; ValueError (shown in the chat) if not JSON."""
+    options = {}
+    if json_mode:
+        options["response_format"] = {"type": "json_object"}
+        if schema.strip():
+            options["response_format"] = {"type": "json_schema",
+                                          "json_schema": {"name": "reply", "schema": _json(schema, "the schema")}}
+    if tools.strip():
+        options["tools"] = _json(tools, "the tools")
+        options["tool_choice"] = tool_choice
+    return options
+
+
+def _json(text: str, what: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+
+
+def _reply(text: str, calls: dict[int, dict]) -> str:
+    """The reply as shown: its text, then each tool call as its name and pretty-printed arguments."""
+    shown = [text] if text else []
+    for _, call in sorted(calls.items()):
+        try:
+            arguments = json.dumps(json.loads(call["arguments"]), indent=2)
+        except json.JSONDecodeError:  # still streaming
+            arguments = call["arguments"]
+        shown.append(f"🔧 **{call['name']}**\n```json\n{arguments}\n```")
+    return "\n\n".join(shown)
+
+
 def _stats(start: float, first: float | None, tokens: int | None, streaming: bool) -> str:
     if first is None:
         return "waiting for the first token…"
@@ -127,11 +170,12 @@ def _stats(start: float, first: float | None, tokens: int | None, streaming: boo
 def build_app(settings: UISettings) -> gr.Blocks:
     backend = ChatBackend(settings)
 
-    async def respond(history, system, temperature, top_p, max_tokens, seed):
+    async def respond(history, system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice):
         history = list(history)
         history.append({"role": "assistant", "content": ""})
         try:
-            async for text, stats in backend.stream_reply(history[:-1], system, temperature, top_p, max_tokens, seed):
+            async for text, stats in backend.stream_reply(history[:-1], system, temperature, top_p, max_tokens, seed,
+                                                          json_mode, schema, tools, tool_choice):
                 history[-1] = {"role": "assistant", "content": text}
                 yield history, stats
         except (OpenAIError, OSError, ValueError) as e:
@@ -168,10 +212,16 @@ def build_app(settings: UISettings) -> gr.Blocks:
                 top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top p")
                 max_tokens = gr.Slider(1, 2048, value=512, step=1, label="Max tokens", elem_id="max-tokens")
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
+                json_mode = gr.Checkbox(label="JSON mode", value=False, elem_id="json-mode")
+                schema = gr.Textbox(label="JSON schema (optional)", lines=3, elem_id="json-schema",
+                                    placeholder='{"type": "object", "properties": {...}}')
+                tools = gr.Textbox(label="Tools (OpenAI tools list, optional)", lines=3, elem_id="tools",
+                                   placeholder='[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
+                tool_choice = gr.Radio(["auto", "required"], value="auto", label="Tool choice", elem_id="tool-choice")
                 plot = gr.LinePlot(x="seconds ago", y="tokens/s", title="Generation throughput (last 5 min)",
                                    height=220, sort="x")
 
-        settings_inputs = [system, temperature, top_p, max_tokens, seed]
+        settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice]
         events = [
             message.submit(add_user, [message, chatbot], [message, chatbot], queue=False).then(
                 respond, [chatbot, *settings_inputs], [chatbot, stats]),

@@ -1,9 +1,9 @@
-"""OpenAI-compatible HTTP API (starlette + sse-starlette) in front of Triton.
+"""OpenAI-compatible HTTP API (starlette + sse-starlette) in front of Triton: the routes, and what every
+route does before its endpoint's module answers (the API key, the body's size and JSON, validation).
 
-Each request becomes one Triton gRPC stream. The first Triton response is awaited before
-answering, so a request the engine rejects gets a proper 4xx instead of a stream that fails;
-after that, errors travel as an SSE error event. A client that disconnects, streaming or not,
-cancels the Triton stream, and with it the engine request and its KV blocks.
+Each request becomes one Triton gRPC stream (backend/gateway/serving.py). A client that
+disconnects, streaming or not, cancels the Triton stream, and with it the engine request and its
+KV blocks. The endpoints: serving_chat.py, serving_completions.py.
 """
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -24,15 +23,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backend.gateway.client import Chunk, InvalidRequest, TritonClient, TritonUnavailable
-from backend.gateway.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    completion_id,
-    error_body,
-    now,
-    usage,
-)
+from backend.gateway import serving_chat, serving_completions
+from backend.gateway.client import TritonClient
+from backend.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from backend.gateway.responses import ModelCard, ModelList, error_body
+from backend.gateway.serving import ApiError, Serving, triton_errors
+from backend.gateway.tools import TOOL_CALL_PARSERS, tool_call_parser
 from backend.models.registry import DEFAULT_MODEL
 
 
@@ -45,32 +41,7 @@ class GatewaySettings:
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = 1 << 20
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status)
-
-
-@dataclass
-class _Totals:
-    prompt: int = 0
-    completion: int = 0
-
-
-class _Metrics:
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("npu_llm_gateway_requests_total", "HTTP requests by endpoint and status.",
-                                ["endpoint", "status"], registry=self.registry)
-        self.latency = Histogram("npu_llm_gateway_request_duration_seconds", "Request latency (to the last byte).",
-                                 ["endpoint"], registry=self.registry)
-        self.ttft = Histogram("npu_llm_gateway_time_to_first_token_seconds", "Time to the first generated text.",
-                              ["endpoint"], registry=self.registry)
+    tool_call_parser: str = "auto"  # "auto" (read off the chat template) or one of TOOL_CALL_PARSERS
 
 
 def _is_union_branch(loc_part) -> bool:
@@ -115,16 +86,17 @@ def _load_tokenizer(name_or_path: str):
 
 
 def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
+    if settings.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
+        raise ValueError(f"tool_call_parser must be auto or one of {', '.join(TOOL_CALL_PARSERS)}")
     tokenizer = tokenizer or _load_tokenizer(settings.tokenizer)
-    metrics = _Metrics()
-    triton: TritonClient = None  # made in lifespan: grpc.aio channels belong to the serving event loop
+    serving = Serving(tokenizer, tool_call_parser=tool_call_parser(tokenizer, settings.tool_call_parser))
+    metrics = serving.metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        nonlocal triton
-        triton = TritonClient(settings.triton_url, settings.triton_model)
+        serving.triton = TritonClient(settings.triton_url, settings.triton_model)
         yield
-        await triton.close()
+        await serving.triton.close()
 
     def authorize(request: Request) -> None:
         if settings.api_key is not None and request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
@@ -156,31 +128,12 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
         except ValidationError as e:
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"] if not _is_union_branch(p))
-            raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
+            message = first["msg"].removeprefix("Value error, ")
+            raise ApiError(400, f"{param}: {message}" if param else message, param=param or None) from None
         if parsed.model != settings.served_model_name:
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves "
                                 f"{settings.served_model_name!r}", "not_found_error", "model")
         return parsed
-
-    async def first_chunk(prompt: str, req, logprobs: bool, request_id: str, prompt_token_ids=None):
-        stream = triton.generate(prompt, req.engine_parameters(), req.stream, logprobs, request_id, prompt_token_ids)
-        with triton_errors():
-            try:
-                return await anext(stream), stream
-            except StopAsyncIteration:
-                raise ApiError(500, "Triton closed the stream without a response", "internal_error") from None
-
-    @contextlib.contextmanager
-    def triton_errors():
-        """Failures reported by the Triton client, as the gateway's HTTP errors."""
-        try:
-            yield
-        except InvalidRequest as e:
-            raise ApiError(400, str(e)) from None
-        except TritonUnavailable as e:
-            raise ApiError(503, str(e), "service_unavailable") from None
-        except RuntimeError as e:
-            raise ApiError(500, str(e), "internal_error") from None
 
     async def handle(endpoint: str, request: Request, work) -> Response:
         start = time.perf_counter()
@@ -195,180 +148,20 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
         return response
 
-    # -- chat -------------------------------------------------------------------------------------
-
     async def chat(request: Request, start: float) -> Response:
         req = validate(ChatCompletionRequest, await read_body(request))
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # the template itself rejects the conversation (e.g. roles out of order)
-            raise ApiError(400, f"messages: {e}", param="messages") from None
-        return await until_disconnected(request, answer_chat(req, prompt, start))
-
-    async def answer_chat(req: ChatCompletionRequest, prompt: str, start: float) -> Response:
-        rid = completion_id("chatcmpl")
-        chunk, stream = await first_chunk(prompt, req, req.logprobs, rid)
-        metrics.ttft.labels("chat").observe(time.perf_counter() - start)
-        if req.stream:
-            return EventSourceResponse(_chat_events(req, rid, chunk, stream, start))
-        texts, logprobs, reasons, n_in, n_out = await _gather(chunk, stream, req.n)
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": texts[i]},
-             "logprobs": _chat_logprobs(logprobs[i], req.top_logprobs) if req.logprobs else None,
-             "finish_reason": reasons[i]}
-            for i in range(req.n)
-        ]
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": req.model,
-                             "choices": choices, "usage": usage(n_in, sum(n_out))})
-
-    async def _chat_events(req, rid, chunk: Chunk, stream, start) -> AsyncIterator[str]:
-        created = now()
-
-        def event(choices, **extra):
-            return json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                               "choices": choices, **extra})
-
-        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(req.n)])
-        totals = _Totals()
-        async for c in _relay(chunk, stream, req, "chat", start, totals):
-            if isinstance(c, str):  # an error after the stream started
-                yield c
-                return
-            choices = []
-            for i in range(len(c.texts)):
-                if c.texts[i] or c.finish_reasons[i]:
-                    lp = _chat_logprobs(c.logprobs[i], req.top_logprobs) if req.logprobs and c.logprobs else None
-                    delta = {"content": c.texts[i]} if c.texts[i] else {}
-                    choices.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reasons[i]})
-            if choices:
-                yield event(choices)
-        if req.include_usage:
-            yield event([], usage=usage(totals.prompt, totals.completion))
-        yield "[DONE]"
-
-    # -- completions ------------------------------------------------------------------------------
+        prompt, constraint = serving_chat.prepare(serving, req)
+        return await until_disconnected(request, serving_chat.answer(serving, req, prompt, constraint, start))
 
     async def completions(request: Request, start: float) -> Response:
         req = validate(CompletionRequest, await read_body(request))
-        return await until_disconnected(request, answer_completion(req, start))
-
-    async def answer_completion(req: CompletionRequest, start: float) -> Response:
-        # Token ids go to the engine as they are; their text is only for echo.
-        ids = None if isinstance(req.prompt, str) else req.prompt
-        prompt = req.prompt if ids is None else tokenizer.decode(ids)
-        rid = completion_id("cmpl")
-        chunk, stream = await first_chunk(prompt, req, req.logprobs is not None, rid, ids)
-        metrics.ttft.labels("completions").observe(time.perf_counter() - start)
-        if req.stream:
-            return EventSourceResponse(_completion_events(req, rid, prompt, chunk, stream, start))
-        texts, logprobs, reasons, n_in, n_out = await _gather(chunk, stream, req.n)
-        if req.echo:
-            texts = [prompt + t for t in texts]
-        choices = [{"index": i, "text": texts[i], "logprobs": _completion_logprobs(logprobs[i]) if req.logprobs is not None
-                    else None, "finish_reason": reasons[i]} for i in range(req.n)]
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": req.model,
-                             "choices": choices, "usage": usage(n_in, sum(n_out))})
-
-    async def _completion_events(req, rid, prompt, chunk, stream, start) -> AsyncIterator[str]:
-        created = now()
-
-        def event(choices, **extra):
-            return json.dumps({"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                               "choices": choices, **extra})
-
-        if req.echo:
-            yield event([{"index": i, "text": prompt, "logprobs": None, "finish_reason": None} for i in range(req.n)])
-        totals = _Totals()
-        async for c in _relay(chunk, stream, req, "completions", start, totals):
-            if isinstance(c, str):
-                yield c
-                return
-            choices = [{"index": i, "text": c.texts[i], "finish_reason": c.finish_reasons[i],
-                        "logprobs": _completion_logprobs(c.logprobs[i]) if req.logprobs is not None and c.logprobs
-                        else None}
-                       for i in range(len(c.texts)) if c.texts[i] or c.finish_reasons[i]]
-            if choices:
-                yield event(choices)
-        if req.include_usage:
-            yield event([], usage=usage(totals.prompt, totals.completion))
-        yield "[DONE]"
-
-    # -- shared streaming helpers -----------------------------------------------------------------
-
-    async def _relay(chunk: Chunk, stream, req, endpoint: str, start: float, totals: "_Totals"):
-        """The chunks of a started stream; an error becomes one SSE error payload. Counts tokens into totals."""
-        totals.prompt = chunk.num_input_tokens or 0
-        try:
-            while True:
-                totals.completion += sum(chunk.num_new_tokens)
-                yield chunk
-                if chunk.final:
-                    break
-                chunk = await anext(stream)
-        except StopAsyncIteration:
-            pass
-        except Exception as e:  # after the 200: tell the client in-band, then end the stream
-            yield json.dumps(error_body(str(e), "internal_error", 500))
-        finally:
-            await stream.aclose()
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
-
-    async def _gather(chunk: Chunk, stream, n: int):
-        """A whole non-streaming answer (one Triton response, but read to the end of the stream)."""
-        texts, logprobs, reasons, counts = [""] * n, [None] * n, [None] * n, [0] * n
-        n_in = chunk.num_input_tokens or 0
-        try:
-            while True:
-                for i in range(len(chunk.texts)):
-                    texts[i] += chunk.texts[i]
-                    counts[i] += chunk.num_new_tokens[i]
-                    reasons[i] = chunk.finish_reasons[i] or reasons[i]
-                    if chunk.logprobs and chunk.logprobs[i]:
-                        logprobs[i] = (logprobs[i] or []) + chunk.logprobs[i]
-                if chunk.final:
-                    break
-                chunk = await anext(stream)
-        except StopAsyncIteration:
-            pass
-        finally:
-            await stream.aclose()
-        return texts, logprobs, reasons, n_in, counts
-
-    def _chat_logprobs(entries: list[dict] | None, k: int | None) -> dict | None:
-        """OpenAI's chat logprobs from vLLM's shape (backend/triton/contract.py: the sampled token first)."""
-        if entries is None:
-            return None
-
-        def item(lp: dict):
-            token = lp["decoded_token"]
-            return {"token": token, "logprob": lp["logprob"], "bytes": list(token.encode())}
-
-        content = []
-        for position in entries:
-            sampled, *_ = position.values()
-            top = sorted(position.values(), key=lambda lp: lp["rank"])[: k or 0]
-            content.append({**item(sampled), "top_logprobs": [item(lp) for lp in top]})
-        return {"content": content}
-
-    def _completion_logprobs(entries: list[dict] | None) -> dict | None:
-        if entries is None:
-            return None
-        sampled = [next(iter(position.values())) for position in entries]
-        return {"tokens": [lp["decoded_token"] for lp in sampled],
-                "token_logprobs": [lp["logprob"] for lp in sampled],
-                "top_logprobs": [{lp["decoded_token"]: lp["logprob"] for lp in position.values()} for position in entries],
-                "text_offset": None}
-
-    # -- the rest ---------------------------------------------------------------------------------
+        return await until_disconnected(request, serving_completions.answer(serving, req, start))
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": settings.served_model_name, "object": "model", "created": now(), "owned_by": "npu-llm"}]})
+        return JSONResponse(ModelList(data=[ModelCard(id=settings.served_model_name)]).model_dump())
 
     async def health(request: Request) -> Response:
-        if await triton.ready():
+        if await serving.triton.ready():
             return JSONResponse({"status": "ok"})
         return JSONResponse(error_body(f"Triton model {settings.triton_model!r} at {settings.triton_url} is not ready",
                                        "service_unavailable", 503), status_code=503)
@@ -391,25 +184,21 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
         served with the profile_dir engine argument. Always behind the API key, when there is one."""
         authorize(request)
         with triton_errors():
-            return JSONResponse(await triton.admin(request.url.path.strip("/")))
+            return JSONResponse(await serving.triton.admin(request.url.path.strip("/")))
 
-    async def profile_endpoint(request: Request) -> Response:
-        return await handle("profile", request, profile)
-
-    async def chat_endpoint(request: Request) -> Response:
-        return await handle("chat", request, chat)
-
-    async def completions_endpoint(request: Request) -> Response:
-        return await handle("completions", request, completions)
+    def counted(endpoint: str, work):
+        async def route(request: Request) -> Response:
+            return await handle(endpoint, request, work)
+        return route
 
     routes = [
-        Route("/v1/chat/completions", chat_endpoint, methods=["POST"]),
-        Route("/v1/completions", completions_endpoint, methods=["POST"]),
+        Route("/v1/chat/completions", counted("chat", chat), methods=["POST"]),
+        Route("/v1/completions", counted("completions", completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", guarded(prometheus), methods=["GET"]),
-        Route("/start_profile", profile_endpoint, methods=["POST"]),
-        Route("/stop_profile", profile_endpoint, methods=["POST"]),
+        Route("/start_profile", counted("profile", profile), methods=["POST"]),
+        Route("/stop_profile", counted("profile", profile), methods=["POST"]),
     ]
     middleware = []
     if settings.cors_origins:

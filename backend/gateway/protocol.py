@@ -1,23 +1,62 @@
-"""OpenAI request and response shapes (pydantic), and their mapping to engine sampling parameters."""
+"""OpenAI request shapes (pydantic), and their mapping to engine sampling parameters."""
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backend.engine.sampling_params import INT64_MAX, INT64_MIN, TokenId
+from backend.engine.sampling_params import INT64_MAX, INT64_MIN, StructuredOutputsParams, TokenId
+
+# Fields a client may send that this server cannot honour: refused by name (400), never silently dropped.
+# Metadata fields that change nothing about the output (user, store, metadata, service_tier) are ignored.
+UNSUPPORTED = {
+    "logit_bias": "logit_bias is not supported",
+    "functions": "functions (deprecated) is not supported; use tools",
+    "function_call": "function_call (deprecated) is not supported; use tool_choice",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "suffix": "suffix is not supported",
+    "best_of": "best_of is not supported; use n",
+    "web_search_options": "web search is not supported",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (xgrammar has no such option)",
+}
 
 
 class OpenAIModel(BaseModel):
-    # Clients send fields we do not use (user, tools, ...): accept and ignore them, as vLLM does.
-    # NaN and Infinity (which Python's JSON parser accepts) are refused: no parameter means anything with them.
+    # Unknown fields are ignored, as vLLM does (clients send metadata such as user); the fields this server cannot
+    # honour are refused by name (UNSUPPORTED). NaN and Infinity (which Python's JSON parser accepts) are refused:
+    # no parameter means anything with them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=self.json_schema.schema_)
 
 
 class SamplingFields(OpenAIModel):
@@ -38,14 +77,49 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* extras
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, why in UNSUPPORTED.items():
+                value = data.get(name)
+                if value not in (None, {}, []) and not (name == "best_of" and value == 1):  # (empty: nothing asked)
+                    raise ValueError(why)
+        return data
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match, from whichever of the fields names it (at most one may)."""
+        given = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format.structured_outputs()
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        for kind, value in guided.items():
+            if value is not None:
+                given[f"guided_{kind}"] = StructuredOutputsParams.model_validate({kind: value})
+        if len(given) > 1:
+            raise ValueError(f"give one of {', '.join(given)}, not several")
+        return next(iter(given.values()), None)
+
+    def sampling_parameters(self, max_tokens: int | None, logprobs: int | None,
+                            constraint: StructuredOutputsParams | None = None) -> dict:
         """The engine's SamplingParams fields for this request (unset OpenAI fields keep engine defaults)."""
         values = {
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "n": self.n,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "stop": self.stop, "logprobs": logprobs, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+            "structured_outputs": constraint.model_dump(by_alias=True, exclude_none=True) if constraint else None,
         }
         values = {k: v for k, v in values.items() if v is not None}
         values["max_tokens"] = max_tokens  # None: until max_model_len
@@ -61,13 +135,80 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(OpenAIModel):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: tool call arguments as objects (as vLLM passes them)."""
+        message = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _json_or_text(arguments: str):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -75,10 +216,31 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def engine_parameters(self) -> dict:
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct names")
+        return self
+
+    @property
+    def tool_mode(self) -> str | NamedToolChoice:
+        """none, auto, required or the named function: OpenAI's default is auto when tools are given."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    def engine_parameters(self, constraint: StructuredOutputsParams | None = None) -> dict:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_parameters(self.max_completion_tokens or self.max_tokens, logprobs)
+        return self.sampling_parameters(self.max_completion_tokens or self.max_tokens, logprobs, constraint)
 
 
 class CompletionRequest(SamplingFields):
@@ -94,22 +256,5 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         return value
 
-    def engine_parameters(self) -> dict:
-        return self.sampling_parameters(self.max_tokens, self.logprobs)
-
-
-def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    def engine_parameters(self, constraint: StructuredOutputsParams | None = None) -> dict:
+        return self.sampling_parameters(self.max_tokens, self.logprobs, constraint)

@@ -1,0 +1,130 @@
+"""POST /v1/chat/completions: the conversation through the chat template, tools and structured outputs
+(backend/gateway/tools.py), and the answer as OpenAI's chat completion or its stream of chunks."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.responses import JSONResponse, Response
+
+from backend.engine.sampling_params import StructuredOutputsParams
+from backend.gateway.protocol import ChatCompletionRequest
+from backend.gateway.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    FunctionCallOut,
+    ToolCallOut,
+    Usage,
+    completion_id,
+    now,
+)
+from backend.gateway.serving import ApiError, Serving, Totals
+from backend.gateway.tools import ToolDeltas, constraint_for, render_prompt
+
+
+def prepare(serving: Serving, req: ChatCompletionRequest) -> tuple[str, StructuredOutputsParams | None]:
+    """The prompt and the output's constraint, or a 400 naming what is wrong."""
+    try:
+        constraint = req.constraint()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    mode = req.tool_mode
+    tool_constraint = constraint_for(mode, req.tools or [], req.parallel_tool_calls)
+    if tool_constraint is not None and constraint is not None:
+        raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with response_format or "
+                            "structured outputs: the tool call is the output", param="tool_choice")
+    messages = [m.for_template() for m in req.messages]
+    try:
+        prompt = render_prompt(serving.tokenizer, messages, req.tools if mode != "none" else None)
+    except Exception as e:  # the template itself rejects the conversation (e.g. roles out of order)
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    return prompt, tool_constraint or constraint
+
+
+async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, constraint, started: float) -> Response:
+    rid = completion_id("chatcmpl")
+    chunk, responses = await serving.start("chat", started, prompt, req.engine_parameters(constraint), req.stream,
+                                           req.logprobs, rid)
+    if req.stream:
+        return EventSourceResponse(_events(serving, req, rid, chunk, responses, started))
+    whole = await serving.gather(chunk, responses, req.n)
+    choices = []
+    for i in range(req.n):
+        deltas = ToolDeltas(req.tool_mode, serving.tool_call_parser)
+        parts = deltas.feed(whole.texts[i]) + deltas.finish()
+        choices.append(ChatChoice(index=i, message=_message(parts),
+                                  logprobs=_logprobs(whole.logprobs[i], req.top_logprobs) if req.logprobs else None,
+                                  finish_reason=_finish_reason(whole.reasons[i], deltas.made_calls)))
+    response = ChatCompletionResponse(id=rid, model=req.model, choices=choices,
+                                      usage=Usage.of(whole.num_input_tokens, sum(whole.counts)))
+    return JSONResponse(response.model_dump())
+
+
+async def _events(serving: Serving, req: ChatCompletionRequest, rid: str, chunk, responses,
+                  started: float) -> AsyncIterator[str]:
+    created = now()
+
+    def event(choices, usage=None) -> str:
+        return ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, usage=usage
+                                   ).model_dump_json()
+
+    yield event([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(req.n)])
+    deltas = [ToolDeltas(req.tool_mode, serving.tool_call_parser) for _ in range(req.n)]
+    totals = Totals()
+    async for c in serving.relay(chunk, responses, "chat", started, totals):
+        if isinstance(c, str):  # an error after the stream started
+            yield c
+            return
+        for i, text in enumerate(c.texts):
+            reason = c.finish_reasons[i]
+            parts = deltas[i].feed(text) + (deltas[i].finish() if reason else [])
+            lp = _logprobs(c.logprobs[i], req.top_logprobs) if req.logprobs and c.logprobs else None
+            if not parts and (reason or lp):
+                parts = [{}]
+            for k, part in enumerate(parts):  # one event per delta: a choice appears once per chunk
+                last = k == len(parts) - 1
+                yield event([ChatChunkChoice(index=i, delta=part, logprobs=lp if k == 0 else None,
+                                             finish_reason=_finish_reason(reason, deltas[i].made_calls) if last
+                                             else None)])
+    if req.include_usage:
+        yield event([], Usage.of(totals.prompt, totals.completion))
+    yield "[DONE]"
+
+
+def _message(parts: list[dict]) -> AssistantMessage:
+    """The deltas of a whole answer, put together."""
+    content = "".join(p.get("content", "") for p in parts)
+    calls: dict[int, dict] = {}
+    for part in parts:
+        for delta in part.get("tool_calls", []):
+            call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.get("id") or call["id"]
+            call["name"] += delta["function"].get("name", "")
+            call["arguments"] += delta["function"].get("arguments", "")
+    tool_calls = [ToolCallOut(id=c["id"], function=FunctionCallOut(name=c["name"], arguments=c["arguments"]))
+                  for _, c in sorted(calls.items())]
+    return AssistantMessage(content=content or (None if tool_calls else ""), tool_calls=tool_calls or None)
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def _logprobs(entries: list[dict] | None, k: int | None) -> dict | None:
+    """OpenAI's chat logprobs from vLLM's shape (backend/triton/contract.py: the sampled token first)."""
+    if entries is None:
+        return None
+
+    def item(lp: dict):
+        token = lp["decoded_token"]
+        return {"token": token, "logprob": lp["logprob"], "bytes": list(token.encode())}
+
+    content = []
+    for position in entries:
+        sampled, *_ = position.values()
+        top = sorted(position.values(), key=lambda lp: lp["rank"])[: k or 0]
+        content.append({**item(sampled), "top_logprobs": [item(lp) for lp in top]})
+    return {"content": content}
