@@ -152,12 +152,20 @@ WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parame
 
 
 def _reply_done(page) -> str:
-    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('TTFT')"
-                           " && !document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=120000)
+    """The reply, once its stats line says it is complete (or the chat says the request failed)."""
+    page.wait_for_function("(s => s.includes('failed') || (s.includes('TTFT') && !s.includes('streaming')))"
+                           "(document.querySelector('#reply-stats').innerText)", timeout=120000)
+    assert "failed" not in page.locator("#reply-stats").inner_text(), _bot_text(page)
     return _bot_text(page)
 
 
+def _clear(page) -> None:
+    page.locator("#clear").click()
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.trim() === ''", timeout=15000)
+
+
 def test_json_mode_and_tool_calls_show_readably(page, stack):
+    _clear(page)
     page.locator("#json-mode input[type=checkbox]").check()
     page.locator("#json-schema textarea").fill(json.dumps(PET))
     _ask(page, "Describe my pet.")
@@ -167,9 +175,12 @@ def test_json_mode_and_tool_calls_show_readably(page, stack):
     page.locator("#json-schema textarea").fill("")
     page.locator("#tools textarea").fill(json.dumps(WEATHER_TOOL))
     page.locator("#tool-choice").get_by_text("required").click()
+    _clear(page)
     _ask(page, "What is the weather in Oslo?")
-    shown = _reply_done(page)
-    assert "🔧" in shown and "get_weather" in shown
+    _reply_done(page)
+    page.wait_for_function("(bots => bots.length && bots[bots.length - 1].innerText.includes('get_weather'))"
+                           "(document.querySelectorAll('#chatbot .message.bot'))", timeout=15000)  # rendered
+    assert "🔧" in _bot_text(page)
     arguments = json.loads(page.locator("#chatbot .message.bot").last.locator("code").last.inner_text())
     jsonschema.validate(arguments, WEATHER_TOOL[0]["function"]["parameters"])
     page.locator("#tools textarea").fill("")
