@@ -45,6 +45,7 @@ def _hf_generate(model_dir, dtype: torch.dtype, prompts, output_len: int, batch_
 
 
 def _timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams):
+    llm.reset_prefix_cache()  # each timed run computes its prompts: none is served from an earlier run's blocks
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return time.perf_counter() - start, outputs

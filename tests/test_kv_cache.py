@@ -103,3 +103,16 @@ def test_freed_cached_blocks_are_reused_until_evicted():
     other = Request("c", list(range(50, 62)), PARAMS, 4, ())
     assert kv.allocate(other, 12)
     assert kv.find_cached_prefix(again) == []
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    held, done = Request("held", list(range(8)), PARAMS, 4, ()), Request("done", list(range(100, 108)), PARAMS, 4, ())
+    for r in (held, done):
+        assert kv.allocate(r, 8)
+        r.num_computed_tokens = 8
+        kv.cache_full_blocks(r)
+    kv.free(done)
+    kv.reset_prefix_cache()
+    assert kv.find_cached_prefix(Request("again", list(range(100, 108)) + [1], PARAMS, 4, ())) == []
+    assert len(kv.find_cached_prefix(Request("same", list(range(8)) + [1], PARAMS, 4, ()))) == 2  # held: still cached

@@ -143,6 +143,11 @@ class KVCacheManager:
                 self.free_queue[block_id] = None
         self._registered.pop(request.request_id, None)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (vLLM's reset_prefix_cache), e.g. between benchmark runs."""
+        for block_id in self.free_queue:
+            self._evict(block_id)
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

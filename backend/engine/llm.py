@@ -24,6 +24,9 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.kv.reset_prefix_cache()
+
     def start_profile(self) -> None:
         self.engine.start_profile()
 
