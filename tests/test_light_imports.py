@@ -11,3 +11,11 @@ def test_the_cli_and_the_gateway_modules_do_not_import_torch():
             "loaded = [m for m in ('torch', 'torch_npu') if m in sys.modules]; assert not loaded, loaded")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_started_gateway_has_not_imported_torch():
+    """The whole start-up: the default model's tokenizer (chat template) loaded and the app built."""
+    code = ("import sys; from backend.gateway.app import GatewaySettings, create_app; create_app(GatewaySettings()); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr

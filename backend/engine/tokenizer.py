@@ -11,6 +11,17 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def load_template_tokenizer(path: str | Path):
+    """A tokenizer for chat templates and decoding only, without torch (the gateway's): the fast tokenizer of
+    tokenizer.json. AutoTokenizer would load torch, through the model config it reads; a folder without
+    tokenizer.json still gets it."""
+    if not (Path(path) / "tokenizer.json").is_file():
+        return load_tokenizer(path)
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation through the tokenizer's own chat template."""
     if not getattr(tokenizer, "chat_template", None):
