@@ -16,7 +16,7 @@ from backend.gateway.protocol import ChatMessage, Tool
 from backend.gateway.tools import render_prompt
 from backend.models.registry import DEFAULT_MODEL, resolve_model
 from tests.conftest import GATEWAY_API_KEY
-from tests.test_triton import _grpc_generate
+from tests.test_triton import _grpc_generate, _http_post
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL
@@ -197,6 +197,10 @@ def test_a_triton_client_gets_constrained_output_without_the_gateway(triton_serv
                                 stream=True)
         assert not result.errors
         jsonschema.validate(json.loads("".join(result.texts)), schema)
+    body = {"text_input": "A person as JSON:", "parameters": {"temperature": 0, "max_tokens": 80,
+                                                              "structured_outputs": json.dumps({"json": schema})}}
+    text = json.loads(_http_post(triton_server, "/v2/models/llm/generate", body))["text_output"]
+    jsonschema.validate(json.loads(text.removeprefix(body["text_input"])), schema)  # HTTP generate, as in the README
     bad = _grpc_generate(triton_server, "x", {"structured_outputs": json.dumps({"regex": "(ab"})})
     assert bad.errors and "structured_outputs.regex" in bad.errors[0]
 
