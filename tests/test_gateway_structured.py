@@ -128,7 +128,8 @@ def test_required_and_named_tool_choice_always_call(client, stream):
     for tool_choice, expected in (("required", None), ({"type": "function", "function": {"name": "get_time"}}, TIME)):
         reply = _chat(client, stream, messages=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice, temperature=0,
                       max_tokens=100)
-        assert reply["finish_reason"] == "tool_calls" and reply["content"] in (None, "")
+        # the model chose to call (required): "tool_calls"; a function forced on it: "stop", as OpenAI's
+        assert reply["finish_reason"] == ("stop" if expected else "tool_calls") and reply["content"] in (None, "")
         assert reply["tool_calls"]
         for call in reply["tool_calls"]:
             tool = expected or next(t for t in TOOLS if t["function"]["name"] == call.function.name)
@@ -154,6 +155,17 @@ def test_auto_reads_the_models_own_tool_call_format(client, stream):
                  extra_body={"guided_regex": "I cannot say <tool [a-z]{1,5}"})
     assert text["finish_reason"] == "stop" and not text["tool_calls"]
     assert text["content"].startswith("I cannot say <tool ")
+
+
+def test_logprobs_of_tokens_a_grammar_forbids_are_clamped_not_infinite(client):
+    """-inf (a forbidden token) is not JSON: it is sent as vLLM sends it, -9999.0."""
+    for stream in (False, True):
+        reply = _chat(client, stream, messages=ASK_WEATHER, temperature=0, max_tokens=4, logprobs=True,
+                      top_logprobs=3, extra_body={"guided_choice": ["yes", "no"]})
+        assert reply["content"] in ("yes", "no")
+        values = [t.logprob for item in reply["logprobs"].content for t in [item, *item.top_logprobs]]
+        assert values and all(-9999.0 <= v <= 0 for v in values)
+        assert -9999.0 in values  # the alternatives beyond the choice are forbidden
 
 
 def test_a_conversation_sends_the_tool_result_back(client):
@@ -209,10 +221,9 @@ def _chat(client, stream: bool, **kwargs) -> dict:
     """One choice's content, tool calls and finish reason, from a whole reply or from its stream's deltas."""
     if not stream:
         choice = client.chat.completions.create(model=MODEL, **kwargs).choices[0]
-        return {"content": choice.message.content, "tool_calls": choice.message.tool_calls,
-                "finish_reason": choice.finish_reason}
-    with client.chat.completions.stream(model=MODEL, **kwargs) as events:  # the SDK's own delta accumulation
-        final = events.get_final_completion().choices[0]
-    return {"content": final.message.content, "tool_calls": final.message.tool_calls,
-            "finish_reason": final.finish_reason}
+    else:
+        with client.chat.completions.stream(model=MODEL, **kwargs) as events:  # the SDK's own delta accumulation
+            choice = events.get_final_completion().choices[0]
+    return {"content": choice.message.content, "tool_calls": choice.message.tool_calls,
+            "finish_reason": choice.finish_reason, "logprobs": choice.logprobs}
 

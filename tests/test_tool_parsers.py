@@ -11,7 +11,7 @@ LLAMA = '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "par
 
 
 def _run(mode, parser, text, step):
-    deltas = ToolDeltas(mode, parser)
+    deltas = ToolDeltas(mode, parser, names={"f", "g"})
     parts = [p for i in range(0, len(text), step) for p in deltas.feed(text[i:i + step])] + deltas.finish()
     content = "".join(p.get("content", "") for p in parts)
     calls = [c for p in parts for c in p.get("tool_calls", [])]
@@ -53,3 +53,25 @@ def test_parsers_refuse_what_is_not_calls():
     assert parse_tool_calls('<tool_call>["a"]</tool_call>', "hermes") is None
     assert parse_tool_calls('{"name": "f", "parameters": 3}', "llama3_json") is None
     assert parse_tool_calls("hello", "llama3_json") is None
+
+
+def test_llama3_calls_split_on_semicolons_outside_strings_only():
+    text = '{"name": "run", "parameters": {"code": "x = 1; {y}"}} ; {"name": "g", "parameters": {}}'
+    assert parse_tool_calls(text, "llama3_json") == [("run", '{"code": "x = 1; {y}"}'), ("g", "{}")]
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", '{"name": "Alice", "age": 30}'),  # JSON the model wrote: no parameters, and no such tool
+    ("llama3_json", '{"name": "f", "parameters": {}}; and some words'),
+    ("hermes", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'),
+])
+def test_json_that_is_not_a_call_of_a_declared_tool_is_not_a_call(parser, text):
+    assert parse_tool_calls(text, parser, names={"f", "g"}) is None
+    got, calls, made = _run("auto", parser, text, 1)
+    assert not calls and not made
+
+
+def test_without_parallel_calls_only_the_first_is_kept():
+    deltas = ToolDeltas("auto", "hermes", names={"f", "g"}, parallel=False)
+    parts = deltas.feed(HERMES) + deltas.finish()
+    assert [c["function"]["name"] for p in parts for c in p.get("tool_calls", [])] == ["f"]

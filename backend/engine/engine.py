@@ -40,7 +40,7 @@ from kernels.timing import scope
 log = logging.getLogger(__name__)
 
 # An idle step waits this long for a grammar being compiled, instead of spinning.
-GRAMMAR_WAIT_S = 0.05
+GRAMMAR_WAIT_S = 0.01
 
 # Forward passes failing this many times in a row mean the device (not a request) is broken: the
 # engine stops (AsyncEngine reports it dead), as vLLM's does on a device error.
@@ -281,7 +281,7 @@ class LLMEngine:
                 self._account(scheduled, len(advanced))
                 outputs += self._process_outputs(advanced, sampled)
         if not scheduled and self._compiling:  # nothing else to run: wait for a grammar, don't spin
-            concurrent.futures.wait([r.grammar.compiled for r in self._compiling], GRAMMAR_WAIT_S,
+            concurrent.futures.wait([r.grammar.compiled for r in self._compiling if r.grammar], GRAMMAR_WAIT_S,
                                     concurrent.futures.FIRST_COMPLETED)
         if scheduled and self.profiler is not None and self.profiler.active:
             decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
@@ -338,15 +338,11 @@ class LLMEngine:
 
     def _fail_bad_grammars(self) -> None:
         """Requests whose spec did not compile fail with the compiler's message (a client error)."""
-        compiling = []
         for request in self._compiling:
-            if request.grammar is None:  # finished (aborted) while it compiled
-                continue
-            if not request.grammar.ready:
-                compiling.append(request)
-            elif request.grammar.error is not None:
-                self._fail_sequence(request, request.grammar.error)
-        self._compiling = compiling
+            if request.grammar is not None and request.grammar.error is not None:
+                self._fail_sequence(request, request.grammar.error)  # (and its siblings: their grammar goes too)
+        # what is left: still compiling, and not finished meanwhile (finish releases the grammar)
+        self._compiling = [r for r in self._compiling if r.grammar is not None and not r.grammar.ready]
 
     def _advance_grammars(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken]) -> None:
         """Each constrained sequence's matcher takes its sampled token (before the scheduler appends it)."""

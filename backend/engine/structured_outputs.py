@@ -77,7 +77,7 @@ class StructuredOutputs:
     def grammar_for(self, spec: StructuredOutputsParams) -> SequenceGrammar:
         """A new sequence's grammar; compiles the spec unless an earlier request already did (or is doing it)."""
         future = self._cache.get(spec.key)
-        if future is None:
+        if future is None or _failed_unexpectedly(future):  # only a spec's own error is worth remembering
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="npu-llm-grammar")
             future = self._cache[spec.key] = self._executor.submit(self._compile, spec)
@@ -113,6 +113,10 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _failed_unexpectedly(future: Future) -> bool:
+    return future.done() and future.exception() is not None and not isinstance(future.exception(), GrammarError)
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -8,7 +8,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
 from backend.engine.sampling_params import StructuredOutputsParams
-from backend.gateway.protocol import ChatCompletionRequest
+from backend.gateway.protocol import ChatCompletionRequest, NamedToolChoice
 from backend.gateway.responses import (
     AssistantMessage,
     ChatChoice,
@@ -53,11 +53,11 @@ async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, cons
     whole = await serving.gather(chunk, responses, req.n)
     choices = []
     for i in range(req.n):
-        deltas = ToolDeltas(req.tool_mode, serving.tool_call_parser)
+        deltas = _tool_deltas(serving, req)
         parts = deltas.feed(whole.texts[i]) + deltas.finish()
         choices.append(ChatChoice(index=i, message=_message(parts),
                                   logprobs=_logprobs(whole.logprobs[i], req.top_logprobs) if req.logprobs else None,
-                                  finish_reason=_finish_reason(whole.reasons[i], deltas.made_calls)))
+                                  finish_reason=_finish_reason(whole.reasons[i], deltas)))
     response = ChatCompletionResponse(id=rid, model=req.model, choices=choices,
                                       usage=Usage.of(whole.num_input_tokens, sum(whole.counts)))
     return JSONResponse(response.model_dump())
@@ -68,11 +68,11 @@ async def _events(serving: Serving, req: ChatCompletionRequest, rid: str, chunk,
     created = now()
 
     def event(choices, usage=None) -> str:
-        return ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, usage=usage
-                                   ).model_dump_json()
+        chunk = ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+        return chunk.model_dump_json(exclude=None if usage else {"usage"})  # usage only in its own last chunk
 
     yield event([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(req.n)])
-    deltas = [ToolDeltas(req.tool_mode, serving.tool_call_parser) for _ in range(req.n)]
+    deltas = [_tool_deltas(serving, req) for _ in range(req.n)]
     totals = Totals()
     async for c in serving.relay(chunk, responses, "chat", started, totals):
         if isinstance(c, str):  # an error after the stream started
@@ -87,7 +87,7 @@ async def _events(serving: Serving, req: ChatCompletionRequest, rid: str, chunk,
             for k, part in enumerate(parts):  # one event per delta: a choice appears once per chunk
                 last = k == len(parts) - 1
                 yield event([ChatChunkChoice(index=i, delta=part, logprobs=lp if k == 0 else None,
-                                             finish_reason=_finish_reason(reason, deltas[i].made_calls) if last
+                                             finish_reason=_finish_reason(reason, deltas[i]) if last
                                              else None)])
     if req.include_usage:
         yield event([], Usage.of(totals.prompt, totals.completion))
@@ -109,8 +109,16 @@ def _message(parts: list[dict]) -> AssistantMessage:
     return AssistantMessage(content=content or (None if tool_calls else ""), tool_calls=tool_calls or None)
 
 
-def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
-    return "tool_calls" if made_calls and reason == "stop" else reason
+def _tool_deltas(serving: Serving, req: ChatCompletionRequest) -> ToolDeltas:
+    return ToolDeltas(req.tool_mode, serving.tool_call_parser, {t.function.name for t in req.tools or []},
+                      req.parallel_tool_calls)
+
+
+def _finish_reason(reason: str | None, deltas: ToolDeltas) -> str | None:
+    """"tool_calls" when the model chose to call (auto, required); a named function forced on it ends with
+    "stop", as OpenAI's and vLLM's do."""
+    chose = deltas.made_calls and not isinstance(deltas.mode, NamedToolChoice)
+    return "tool_calls" if chose and reason == "stop" else reason
 
 
 def _logprobs(entries: list[dict] | None, k: int | None) -> dict | None:

@@ -39,8 +39,8 @@ async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: st
     created = now()
 
     def event(choices, usage=None) -> str:
-        return CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage
-                                  ).model_dump_json()
+        chunk = CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+        return chunk.model_dump_json(exclude=None if usage else {"usage"})  # usage only in its own last chunk
 
     if req.echo:
         yield event([CompletionChoice(index=i, text=prompt) for i in range(req.n)])

@@ -109,6 +109,8 @@ class ToolDeltas:
 
     mode: str | NamedToolChoice
     parser: str = "hermes"
+    names: set[str] | None = None  # the tools' names: a "call" of anything else is not a call
+    parallel: bool = True  # False: the first call only (parallel_tool_calls)
     made_calls: bool = False
     _held: str = ""
     _holding: bool = False
@@ -132,10 +134,11 @@ class ToolDeltas:
         held, self._held = self._held, ""
         if not held:
             return []
-        calls = parse_required(held) if self.mode == "required" else parse_tool_calls(held, self.parser)
+        calls = parse_required(held) if self.mode == "required" else parse_tool_calls(held, self.parser, self.names)
         if calls is None:
             return [{"content": held}]
         self.made_calls = True
+        calls = calls if self.parallel else calls[:1]
         return [{"tool_calls": [{"index": i, "id": call_id(), "type": "function",
                                  "function": {"name": name, "arguments": arguments}}]}
                 for i, (name, arguments) in enumerate(calls)]
@@ -172,22 +175,39 @@ class ToolDeltas:
         return [{"content": text}] if text else []
 
 
-def parse_tool_calls(text: str, parser: str) -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) of each call in a model's own format; None when the text is not calls."""
+def parse_tool_calls(text: str, parser: str, names: set[str] | None = None) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each call in a model's own format; None when the text is not calls, or calls a
+    function that is not among `names` (then it is JSON the model wrote, not a call)."""
     try:
         if parser == "llama3_json":
-            body = text.strip().removeprefix(PYTHON_TAG).strip()
-            objects = [json.loads(part) for part in re.split(r"\s*;\s*(?=\{)", body)]
-            calls = [(o["name"], o.get("parameters", o.get("arguments", {}))) for o in objects]
+            objects = _json_objects(text.strip().removeprefix(PYTHON_TAG), separator=";")
+            calls = [(o["name"], o["parameters"] if "parameters" in o else o["arguments"]) for o in objects]
         else:
             blocks = re.findall(rf"{re.escape(HERMES_START)}(.*?)(?:{re.escape(HERMES_END)}|$)", text, re.DOTALL)
-            objects = [json.loads(b) for b in blocks]
-            calls = [(o["name"], o.get("arguments", {})) for o in objects]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            calls = [(o["name"], o["arguments"]) for o in map(json.loads, blocks)]
+    except (json.JSONDecodeError, KeyError, TypeError):
         return None
     if not calls or not all(isinstance(n, str) and isinstance(a, dict) for n, a in calls):
         return None
+    if names is not None and any(n not in names for n, _ in calls):
+        return None
     return [(name, json.dumps(arguments)) for name, arguments in calls]
+
+
+def _json_objects(text: str, separator: str) -> list[dict]:
+    """The JSON values of `text`, one after another, between separators (a separator inside a string is
+    part of that string, which splitting the text would not know)."""
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        value, at = decoder.raw_decode(text, at)
+        objects.append(value)
+        rest = text[at:].lstrip()
+        if not rest:
+            return objects
+        if not rest.startswith(separator):
+            raise json.JSONDecodeError(f"expected {separator!r} between calls", text, at)
+        at = len(text) - len(rest) + len(separator)
 
 
 def parse_required(text: str) -> list[tuple[str, str]] | None:

@@ -25,6 +25,9 @@ ENGINE_UNAVAILABLE = "engine unavailable: "
 ADMIN_PARAMETER = "npu_llm_admin"
 ADMIN_ACTIONS = ("start_profile", "stop_profile")
 
+# A token a grammar forbids has logprob -inf, which JSON cannot carry: vLLM's serving layer clamps it to this.
+MIN_LOGPROB = -9999.0
+
 FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
          "return_num_input_tokens", "return_num_output_tokens")
 
@@ -154,7 +157,8 @@ def _from_guided_decoding(values: dict) -> None:
     backend = guided.pop("backend", None)
     if backend is not None and backend not in XGRAMMAR_BACKENDS:
         raise ValueError(f"guided_decoding.backend {backend!r} is not available; this server uses xgrammar")
-    values.setdefault("structured_outputs", guided)
+    if values.get("structured_outputs") is None:
+        values["structured_outputs"] = guided
 
 
 def _as_bool(value, name: str) -> bool | None:
@@ -204,6 +208,7 @@ def _logprobs(completion, start: int) -> list[dict] | None:
     if completion.logprobs is None:
         return None
     return [
-        {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+        {str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+         for t, lp in entry.items()}
         for entry in completion.logprobs[start:]
     ]
