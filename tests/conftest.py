@@ -188,8 +188,11 @@ def triton_server(tmp_path_factory, default_model_dir):
 GATEWAY_API_KEY = "test-key"
 
 
-def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None = GATEWAY_API_KEY):
-    """`npu-llm gateway` as a real process; returns it once it answers HTTP (its model list, which needs no Triton)."""
+def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None = GATEWAY_API_KEY,
+                  extra_args: tuple = (), env_api_key: str | None = None):
+    """`npu-llm gateway` as a real process; returns it once it answers HTTP (its model list, which needs no Triton).
+    env_api_key: the key given through NPU_LLM_API_KEY instead of --api-key."""
+    import os
     import subprocess
     import sys
 
@@ -197,11 +200,15 @@ def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None
     from backend.triton.launcher import LaunchError
 
     argv = [sys.executable, "-m", "backend.cli", "gateway", "--triton-url", triton_grpc_url, "--port", str(port),
-            "--max-body-bytes", "200000"]
+            "--max-body-bytes", "200000", *extra_args]
     if api_key:
         argv += ["--api-key", api_key]
-    process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    env = {k: v for k, v in os.environ.items() if k != "NPU_LLM_API_KEY"}
+    if env_api_key:
+        env["NPU_LLM_API_KEY"] = env_api_key
+    process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    key = api_key or env_api_key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models", process, "gateway", timeout=120, headers=headers)
     except LaunchError as e:

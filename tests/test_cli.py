@@ -1,9 +1,13 @@
-"""The npu-llm command's failures are one clear line, not a traceback."""
+"""The npu-llm command: its failures are one clear line, not a traceback; bench throughput and chat run as a
+person runs them."""
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
+import time
+
+import pytest
 
 
 def _npu_llm(*args: str) -> subprocess.CompletedProcess:
@@ -35,3 +39,67 @@ def test_serve_with_an_unknown_engine_argument():
 
 def test_chat_with_a_bad_block_size():
     _one_line_error(_npu_llm("chat", "--block-size", "3"), "block_size=3")
+
+
+def test_bench_throughput_runs_and_reports_both_engines():
+    import json
+
+    run = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "bench", "throughput", "--dtype", "float32", "--num-prompts", "3",
+         "--input-len", "12:20", "--output-len", "5", "--hf-batch-size", "3"],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["num_prompts"] == 3 and result["output_tokens"] == 15 and 36 <= result["prompt_tokens"] <= 60
+    assert result["ours"]["output_tokens_per_s"] > 0 and result["hf"]["output_tokens_per_s"] > 0
+    assert result["output_throughput_ratio"] == pytest.approx(result["hf"]["elapsed_s"] / result["ours"]["elapsed_s"],
+                                                              rel=0.05)
+
+
+def test_chat_streams_in_a_terminal_and_ctrl_c_stops_a_reply():
+    """Under a pseudo-terminal, as a person runs it: a reply streams; Ctrl-C (the terminal's SIGINT) stops a long
+    one and the chat goes on; Ctrl-D quits."""
+    import os
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its controlling terminal
+        os.execv(sys.executable, [sys.executable, "-m", "backend.cli", "chat", "--dtype", "float32",
+                                  "--max-tokens", "1500", "--temperature", "0"])
+    seen = b""
+
+    def read_more(timeout: float) -> None:
+        nonlocal seen
+        if select.select([fd], [], [], timeout)[0]:
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:  # the child exited
+                pass
+
+    def read_until(marker: bytes, timeout: float, after: int = 0) -> None:
+        deadline = time.monotonic() + timeout
+        while marker not in seen[after:]:
+            assert time.monotonic() < deadline, f"no {marker!r} in {seen[-2000:]!r}"
+            read_more(0.2)
+
+    try:
+        read_until(b"you> ", 300)
+        os.write(fd, b"Write a very long story about a dragon, with many chapters.\n")
+        read_until(b"bot> ", 60)
+        start, deadline = len(seen), time.monotonic() + 60
+        while len(seen) - start < 40 and time.monotonic() < deadline:  # the reply streams
+            read_more(0.2)
+        assert len(seen) - start >= 40
+        os.write(fd, b"\x03")  # Ctrl-C
+        read_until(b"[stopped]", 30, after=start)
+        read_until(b"you> ", 30, after=seen.index(b"[stopped]"))  # ready for the next message
+        os.write(fd, b"\x04")  # Ctrl-D
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        os.close(fd)

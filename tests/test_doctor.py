@@ -55,3 +55,58 @@ def test_with_torch_npu_installed(tmp_path):
                              timeout=180, env={**env, "PYTHONPATH": pythonpath})
     assert no_cann.returncode == 1
     assert " FAIL " in _row(no_cann.stdout, "CANN environment") and "set_env.sh" in no_cann.stdout
+
+
+# Each FAIL and WARN branch, in process, on a host changed to show it; every row must carry its fix.
+
+def test_numpy_2_fails_with_the_pin_as_fix(monkeypatch):
+    import numpy
+
+    from backend import doctor
+
+    monkeypatch.setattr(numpy, "__version__", "2.1.0")
+    check = doctor.check_numpy()
+    assert (check.status, check.detail) == (doctor.FAIL, "numpy 2.1.0") and 'pip install "numpy<2"' in check.fix
+
+
+def test_torch_npu_for_another_torch_fails_naming_the_release(fake_npu, monkeypatch):
+    from backend import doctor
+
+    monkeypatch.setattr(fake_npu, "__version__", "2.1.0.post10")
+    checks, _ = doctor.check_torch_npu()
+    row = next(c for c in checks if c.name == "torch / torch_npu versions")
+    assert row.status == doctor.FAIL and "torch_npu 2.1.0.post10" in row.detail
+    assert "install the torch_npu release built for torch 2.13" in row.fix
+
+
+def test_graph_mode_without_its_ops_warns_that_eager_works(fake_npu, monkeypatch):
+    import torch
+
+    from backend import doctor
+
+    monkeypatch.delattr(torch.npu, "NPUGraph")
+    check = doctor.check_npu_graphs(fake_npu)
+    assert check.status == doctor.WARN and "torch.npu.NPUGraph" in check.detail and "eager mode works" in check.fix
+
+
+def test_no_tritonserver_anywhere_fails_with_the_install_fix(monkeypatch):
+    import importlib.util
+    import shutil
+
+    from backend import doctor
+
+    find_spec, which = importlib.util.find_spec, shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "tritonserver" else which(name, *a, **k))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytriton" else find_spec(name, *a))
+    check = doctor.check_tritonserver()
+    assert check.status == doctor.FAIL and "nvidia-pytriton package is not installed" in check.detail
+    assert "pip install nvidia-pytriton" in check.fix
+
+
+def test_an_incomplete_model_folder_fails_naming_what_is_missing(tmp_path):
+    from backend import doctor
+
+    (tmp_path / "config.json").write_text("{}")
+    check = doctor.check_model(str(tmp_path))
+    assert check.status == doctor.FAIL and "missing *.safetensors, tokenizer.json" in check.detail
+    assert "complete Hugging Face model folder" in check.fix

@@ -73,3 +73,23 @@ def test_batched_greedy_equals_hf_generate(reference, prefix_caching):
     assert stats.kv_cache_usage == 0
     if prefix_caching:
         assert stats.prefix_cache_hit_rate > 0
+
+
+@pytest.mark.slow
+def test_without_chunked_prefill_each_prompt_runs_whole_and_equals_hf_generate(reference):
+    """enable_chunked_prefill=False: a prompt enters only when its whole prefill fits the step's budget."""
+    prompts, expected = reference
+    limit = max(map(len, prompts)) + MAX_TOKENS  # the budget must hold the longest prompt whole
+    engine = LLMEngine(dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=limit,
+                       max_num_batched_tokens=limit, enable_chunked_prefill=False, max_num_seqs=4)
+    assert sum(sorted(map(len, prompts))[-2:]) > limit  # two long prompts never share a step: chunking would split one
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+        assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)  # none partial
+    assert [results[str(i)] for i in range(len(prompts))] == expected

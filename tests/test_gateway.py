@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -76,21 +77,90 @@ def test_n_and_sampling_fields(client):
     assert [c.message.content for c in again.choices] == [c.message.content for c in result.choices]
 
 
-def test_logprobs(client):
-    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=5,
-                                            logprobs=True, top_logprobs=3)
-    content = result.choices[0].logprobs.content
-    assert len(content) == result.usage.completion_tokens
-    assert "".join(t.token for t in content) == result.choices[0].message.content
-    for t in content:
-        assert len(t.top_logprobs) == 3 and t.logprob <= 0
-        assert t.top_logprobs[0].logprob >= t.logprob - 1e-6  # greedy: the sampled token is the most likely
+def test_n_streamed_on_both_endpoints_gives_distinct_complete_choices(client):
+    texts, finished = {}, {}
+    for c in client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=5,
+                                       max_tokens=12, stream=True):
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finished[choice.index] = choice.finish_reason or finished.get(choice.index)
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=5,
+                                      max_tokens=12)
+    assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]  # seeded: the same three samples
+    assert len(set(texts.values())) == 3 and all(finished[i] in ("stop", "length") for i in range(3))
+
+    roles, contents, reasons = {}, {}, {}
+    for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, temperature=1.0, seed=9,
+                                            max_tokens=12, stream=True):
+        for choice in c.choices:
+            roles[choice.index] = choice.delta.role or roles.get(choice.index)
+            contents[choice.index] = contents.get(choice.index, "") + (choice.delta.content or "")
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert roles == {0: "assistant", 1: "assistant"} and set(reasons.values()) <= {"stop", "length"}
+    assert contents[0] and contents[1] and contents[0] != contents[1]
+
+
+def _engine_logprobs(reference_llm, prompt, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Per generated token: its text, its logprob and the top k (text, logprob), from the engine itself."""
+    [out] = reference_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=k))
+    rows = []
+    for position in out.outputs[0].logprobs:
+        sampled = next(iter(position.values()))
+        top = sorted(position.values(), key=lambda lp: lp.rank)[:k]
+        rows.append((sampled.decoded_token, sampled.logprob, [(lp.decoded_token, lp.logprob) for lp in top]))
+    return rows
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_equal_the_engines(client, reference_llm, stream):
+    expected = _engine_logprobs(reference_llm, {"prompt_token_ids": chat_prompt_ids(reference_llm.get_tokenizer(),
+                                                                                       MESSAGES)}, 3)
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    if stream:
+        content = [t for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
+                   for t in c.choices[0].logprobs.content]
+    else:
+        content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    got = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    for (_, logprob, top), (_, want, want_top) in zip(got, expected):
+        assert logprob == pytest.approx(want, abs=1e-4)
+        assert [t for t, _ in top] == [t for t, _ in want_top]  # the same alternatives, most likely first
+        assert [lp for _, lp in top] == pytest.approx([lp for _, lp in want_top], abs=1e-4)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_logprobs_equal_the_engines(client, reference_llm, stream):
+    prompt = "The rivers of Europe include"
+    expected = _engine_logprobs(reference_llm, prompt, 2)
+    kwargs = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=6, logprobs=2)
+    if stream:
+        parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)
+                 if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        values = [v for p in parts for v in p.token_logprobs]
+        tops = [t for p in parts for t in p.top_logprobs]
+    else:
+        logprobs = client.completions.create(**kwargs).choices[0].logprobs
+        tokens, values, tops = logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs
+    assert tokens == [e[0] for e in expected]
+    assert values == pytest.approx([e[1] for e in expected], abs=1e-4)
+    for top, (token, logprob, want_top) in zip(tops, expected):
+        assert top == pytest.approx({token: logprob, **dict(want_top)}, abs=1e-4)  # the sampled token and the top 2
+
+
+def _cancellations(triton_server) -> int:
+    return len(re.findall(r"\[npu-llm\] request \S+ cancelled", triton_server.log()))
 
 
 def test_disconnect_mid_stream_frees_the_request(gateway, triton_server):
+    """A client that leaves mid-stream: the request was running, then is cancelled in Triton and the engine, and its
+    KV blocks are back in the pool; the tokens it did generate are counted."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
-            "max_tokens": 1500, "stream": True}
+            "max_tokens": 1500, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
+    cancelled_before = _cancellations(triton_server)
+    generated_before = triton_server.metric("vllm:generation_tokens_total")
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as response:
             assert response.status_code == 200
@@ -99,10 +169,18 @@ def test_disconnect_mid_stream_frees_the_request(gateway, triton_server):
                 if line.startswith("data: "):
                     seen += 1
                     if seen == 3:
-                        break
+                        # running when the client leaves (the gauges refresh every half second)
+                        assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 1) == 1
+                        assert triton_server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v > 0) > 0
+                        break  # leaving the lines closes the connection
     assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
     assert triton_server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=15) == 0
-    assert triton_server.metric("vllm:generation_tokens_total") >= 0
+    deadline = time.monotonic() + 10
+    while _cancellations(triton_server) == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancellations(triton_server) == cancelled_before + 1  # the engine was told, not left to finish
+    generated = triton_server.metric("vllm:generation_tokens_total") - generated_before
+    assert 2 <= generated < 1500  # it generated, and stopped long before max_tokens
     ok = httpx.post(f"{gateway}/v1/completions", headers=headers, timeout=60,
                     json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"]

@@ -32,9 +32,10 @@ def test_short_load_reports_consistent_figures(target, triton_server, gateway, t
     for metric in ("TTFT", "ITL", "TPOT", "E2E"):
         stats = summary["latency_ms"][metric]
         assert stats["count"] > 0 and all(stats[k] is not None for k in ("mean", "p50", "p90", "p99")), metric
-        assert stats["p50"] <= stats["p90"] <= stats["p99"]
+    # (the arithmetic from chunk times to these figures: tests/test_loadtest_report.py)
+    assert summary["latency_ms"]["TTFT"]["count"] == len(records)
+    assert summary["latency_ms"]["ITL"]["count"] == sum(len(r["chunk_times"]) - 1 for r in records)
     for r in records:
-        assert r["ttft"] <= r["e2e"]
         assert 8 <= r["output_tokens"] <= 24  # EOS ignored: exactly what was asked for
     after = triton_server.wait_metric("vllm:generation_tokens_total",
                                       lambda v: v - before >= summary["output_tokens"], timeout=10)

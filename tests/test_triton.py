@@ -201,6 +201,7 @@ def test_metrics_count_what_was_sent_and_received(triton_server):
     triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0)
     time.sleep(1)  # let earlier requests' records flush
     before = {n: triton_server.metric(n) for n in names}
+    before_tpot = triton_server.metric("vllm:time_per_output_token_seconds_count")
     sent_prompt = received = 0
     for i, prompt in enumerate(["Metrics test one", "Metrics test two, a little longer", "Three"]):
         r = _grpc_generate(triton_server, prompt, {"temperature": 0, "max_tokens": 5 + i}, stream=i % 2 == 0,
@@ -216,6 +217,11 @@ def test_metrics_count_what_was_sent_and_received(triton_server):
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == received
     assert after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 3
     assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 3
-    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                  "vllm:prefix_cache_hit_rate", "vllm:time_per_output_token_seconds_count"):
-        triton_server.metric(gauge)  # present
+    # TPOT is observed once per gap between two tokens of a sequence (vLLM's rule)
+    tpot = triton_server.wait_metric("vllm:time_per_output_token_seconds_count",
+                                     lambda v: v >= before_tpot + received - 3)
+    assert tpot - before_tpot == received - 3
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert triton_server.metric(gauge) == 0, gauge  # all done: nothing running, waiting or holding blocks
+    metrics = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
+    assert 'vllm:num_requests_running{model="llm",version="1"}' in metrics  # labelled as vllm_backend labels

@@ -53,14 +53,37 @@ def stack(tmp_path_factory):
          str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--gateway-port", str(ports["gateway"]),
          "--ui-port", str(ports["ui"]), "--engine-arg", "max_num_seqs=8"],
         stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while not Path(log.name).read_text().count("npu-llm is up"):
-        assert process.poll() is None, Path(log.name).read_text()[-4000:]
-        assert time.monotonic() < deadline, "stack did not come up"
-        time.sleep(0.5)
-    yield process, ports, Path(log.name)
+    try:
+        deadline = time.monotonic() + 300
+        while not Path(log.name).read_text().count("npu-llm is up"):
+            assert process.poll() is None, Path(log.name).read_text()[-4000:]
+            assert time.monotonic() < deadline, "stack did not come up"
+            time.sleep(0.5)
+        yield process, ports, Path(log.name)
+    finally:
+        _stop_tree(process)
+
+
+def _stop_tree(process: subprocess.Popen) -> None:
+    """Stop `npu-llm up` and everything it started, whatever state it is in: SIGTERM (its own shutdown), then
+    SIGKILL to the process group of each child left (Triton, the gateway and the UI run in sessions of their own)."""
+    family = _descendants(process.pid)  # before the parent goes: its orphans would be reparented out of sight
     if process.poll() is None:
-        process.kill()
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+    ours = os.getpgid(0)
+    for pid in family:
+        try:
+            group = os.getpgid(pid)
+            if group != ours:  # never the test run's own group
+                os.killpg(group, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already
 
 
 def _metric(ports, name: str) -> float:
@@ -128,6 +151,8 @@ def test_stop_ends_the_reply_and_the_server_request(page, stack):
     stopped_at = _bot_text(page)
     time.sleep(2.0)
     assert _bot_text(page) == stopped_at  # no longer growing
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('stopped')", timeout=10000)
+    assert "streaming" not in page.locator("#reply-stats").inner_text()
     deadline = time.monotonic() + 15
     while _metric(ports, "vllm:num_requests_running") != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -184,6 +209,44 @@ def test_json_mode_and_tool_calls_show_readably(page, stack):
     arguments = json.loads(page.locator("#chatbot .message.bot").last.locator("code").last.inner_text())
     jsonschema.validate(arguments, WEATHER_TOOL[0]["function"]["parameters"])
     page.locator("#tools textarea").fill("")
+
+
+def test_seed_regenerate_clear_and_the_system_prompt(page, stack):
+    from backend.engine.tokenizer import chat_prompt_ids, load_tokenizer
+    from backend.models.registry import DEFAULT_MODEL, resolve_model
+
+    _, ports, _ = stack
+    _clear(page)
+    for field, value in (("#seed input", "42"), ("#max-tokens input[type=number]", "24")):
+        page.locator(field).fill(value)
+        page.locator(field).press("Enter")
+    system, question = "You are a pirate. Answer in one sentence.", "Tell me about the sea."
+    page.locator("#system-prompt textarea").fill(system)
+    counted = _metric(ports, "vllm:prompt_tokens_total")
+    _ask(page, question)
+    first = _reply_done(page)
+    # the system prompt reached the model: Triton counted the conversation with it
+    prompt = chat_prompt_ids(load_tokenizer(resolve_model(DEFAULT_MODEL)),
+                             [{"role": "system", "content": system}, {"role": "user", "content": question}])
+    deadline = time.monotonic() + 10
+    while _metric(ports, "vllm:prompt_tokens_total") < counted + len(prompt) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(ports, "vllm:prompt_tokens_total") == counted + len(prompt)
+
+    page.locator("#regenerate").click()  # the same seed: the same reply, in place of the first
+    deadline = time.monotonic() + 60
+    while _metric(ports, "vllm:prompt_tokens_total") < counted + 2 * len(prompt) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(ports, "vllm:prompt_tokens_total") == counted + 2 * len(prompt)  # it was generated again
+    page.wait_for_function("(([bots, first]) => bots.length === 1 && bots[0].innerText === first)"
+                           "([document.querySelectorAll('#chatbot .message.bot'), %s])" % json.dumps(first),
+                           timeout=30000)
+
+    _clear(page)
+    assert page.locator("#chatbot .message").count() == 0
+    page.locator("#system-prompt textarea").fill("")
+    page.locator("#seed input").fill("-1")
+    page.locator("#seed input").press("Enter")
 
 
 def test_sigterm_stops_everything(stack):
