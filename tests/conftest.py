@@ -117,12 +117,21 @@ def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
+    """A port free now and never handed out before in this run: the OS may offer a port again once its probe
+    socket is closed, and a stack's five ports are taken before any server binds them."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class TritonUnderTest:
@@ -158,6 +167,14 @@ class TritonUnderTest:
 
 # Engine arguments of the test server: fp32, so its greedy output can be compared token for token.
 TRITON_ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 512, "max_num_seqs": 16}
+
+
+@pytest.fixture(scope="session")
+def reference_llm():
+    """The engine Triton serves (TRITON_ENGINE_ARGS), in this process, once: what served answers must equal."""
+    from backend import LLM
+
+    return LLM(**TRITON_ENGINE_ARGS)
 
 
 @pytest.fixture(scope="session")

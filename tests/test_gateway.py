@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend import LLM, SamplingParams
+from backend import SamplingParams
 from backend.engine.tokenizer import chat_prompt_ids
 from backend.models.registry import DEFAULT_MODEL
-from tests.conftest import GATEWAY_API_KEY, TRITON_ENGINE_ARGS, free_port, start_gateway
+from tests.conftest import GATEWAY_API_KEY, free_port, start_gateway
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL  # the name the gateway serves it under
@@ -24,11 +24,6 @@ def client(gateway):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{gateway}/v1", api_key=GATEWAY_API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference_llm():
-    return LLM(**TRITON_ENGINE_ARGS)
 
 
 def test_models_lists_the_served_model(client):

@@ -14,20 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend import LLM, SamplingParams
+from backend import SamplingParams
 from backend.models.registry import DEFAULT_MODEL
-from tests.conftest import GATEWAY_API_KEY, TRITON_ENGINE_ARGS
+from tests.conftest import GATEWAY_API_KEY
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL  # the name the gateway serves it under
 AUTH = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
 STREAM_PROMPTS = ["Tell me about the sea.", "List three fruits.", "What is rain?", "Describe a cat."]
 STREAM_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def reference_llm():
-    return LLM(**TRITON_ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")

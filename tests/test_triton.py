@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 import urllib.request
@@ -11,15 +10,9 @@ from functools import partial
 import numpy as np
 import pytest
 
-from backend import LLM, SamplingParams
-from tests.conftest import TRITON_ENGINE_ARGS
+from backend import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def reference_llm():
-    return LLM(**TRITON_ENGINE_ARGS)
 
 
 def _inputs(prompt: str | None, params: dict | str, stream: bool, **flags):

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend import LLM, SamplingParams
-from tests.conftest import TRITON_ENGINE_ARGS
+from backend import SamplingParams
 
 pytestmark = pytest.mark.slow
 PROMPT = "The three primary colours are"
@@ -30,11 +29,6 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
 FLAG_OUTPUT = {"return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
                "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
                "return_num_output_tokens": "num_output_tokens"}
-
-
-@pytest.fixture(scope="module")
-def reference_llm():
-    return LLM(**TRITON_ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -144,20 +144,22 @@ def test_stop_ends_the_reply_and_the_server_request(page, stack):
     page.locator("#max-tokens input[type=number]").press("Enter")
     _ask(page, "Tell me a very long story about a dragon and a knight, with many chapters.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
-    time.sleep(1.5)
-    assert _metric(ports, "vllm:num_requests_running") >= 1
+    assert _wait_metric(ports, "vllm:num_requests_running", lambda v: v >= 1) >= 1  # the gauge refreshes twice a second
     page.locator("#stop").click()
-    time.sleep(1.0)
-    stopped_at = _bot_text(page)
-    time.sleep(2.0)
-    assert _bot_text(page) == stopped_at  # no longer growing
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('stopped')", timeout=10000)
     assert "streaming" not in page.locator("#reply-stats").inner_text()
-    deadline = time.monotonic() + 15
-    while _metric(ports, "vllm:num_requests_running") != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _metric(ports, "vllm:num_requests_running") == 0
-    assert _metric(ports, "vllm:kv_cache_usage_perc") == 0
+    stopped_at = _bot_text(page)
+    assert _wait_metric(ports, "vllm:num_requests_running", lambda v: v == 0) == 0  # cancelled on the server
+    assert _wait_metric(ports, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert 0 < len(stopped_at) and _bot_text(page) == stopped_at  # the reply stopped growing where Stop cut it
+
+
+def _wait_metric(ports, name: str, predicate, timeout: float = 15.0) -> float:
+    """The metric's value once predicate holds (or its last value at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while not predicate(value := _metric(ports, name)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
 
 
 def test_gateway_error_shows_as_a_message(page, stack):
@@ -228,16 +230,11 @@ def test_seed_regenerate_clear_and_the_system_prompt(page, stack):
     # the system prompt reached the model: Triton counted the conversation with it
     prompt = chat_prompt_ids(load_tokenizer(resolve_model(DEFAULT_MODEL)),
                              [{"role": "system", "content": system}, {"role": "user", "content": question}])
-    deadline = time.monotonic() + 10
-    while _metric(ports, "vllm:prompt_tokens_total") < counted + len(prompt) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _metric(ports, "vllm:prompt_tokens_total") == counted + len(prompt)
+    assert _wait_metric(ports, "vllm:prompt_tokens_total", lambda v: v >= counted + len(prompt)) == counted + len(prompt)
 
     page.locator("#regenerate").click()  # the same seed: the same reply, in place of the first
-    deadline = time.monotonic() + 60
-    while _metric(ports, "vllm:prompt_tokens_total") < counted + 2 * len(prompt) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _metric(ports, "vllm:prompt_tokens_total") == counted + 2 * len(prompt)  # it was generated again
+    assert _wait_metric(ports, "vllm:prompt_tokens_total", lambda v: v >= counted + 2 * len(prompt),
+                        timeout=60) == counted + 2 * len(prompt)  # it was generated again
     page.wait_for_function("(([bots, first]) => bots.length === 1 && bots[0].innerText === first)"
                            "([document.querySelectorAll('#chatbot .message.bot'), %s])" % json.dumps(first),
                            timeout=30000)
