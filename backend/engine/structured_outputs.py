@@ -22,6 +22,9 @@ from backend.engine.sampling_params import StructuredOutputsParams
 
 # Distinct compiled grammars kept (vLLM's xgrammar cache is bounded in bytes; a count is simpler to reason about).
 GRAMMAR_CACHE_SIZE = 256
+# Longest run of whitespace between two JSON tokens. Uncapped (vLLM leaves it so), a small model sampling at
+# temperature can loop on newlines until max_tokens and never close the object; 20 still allows indented JSON.
+MAX_WHITESPACE = 20
 # The C++ source location xgrammar puts before its messages ("[12:00:00] /project/cpp/x.cc:94: ...").
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -91,7 +94,8 @@ class StructuredOutputs:
         kind, value = spec.kind, spec.spec_value(spec.kind)
         try:
             if kind == "json":
-                return compiler.compile_json_schema(json.dumps(value), any_whitespace=not spec.disable_any_whitespace)
+                return compiler.compile_json_schema(json.dumps(value), any_whitespace=not spec.disable_any_whitespace,
+                                                    max_whitespace_cnt=MAX_WHITESPACE)
             if kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if kind == "regex":
