@@ -221,14 +221,11 @@ def test_metrics_count_what_was_sent_and_received(triton_server):
 
 
 def test_waiting_and_prefix_cache_gauges_follow_a_known_load(triton_server):
-    """20 streams on an engine of 16 sequences: 4 wait. A prompt sent again is served from the prefix cache."""
+    """20 streams on an engine of 16 sequences: 4 wait. A long prompt sent again is served from the prefix cache,
+    so the hit rate (over every lookup so far) rises."""
     triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0)
-    hit_rate = triton_server.metric("vllm:prefix_cache_hit_rate")
-    long_prompt = " ".join(f"item{i}" for i in range(120))  # several full KV blocks
-    first = _grpc_generate(triton_server, long_prompt, {"temperature": 0, "max_tokens": 2})
-    assert not first.errors
-    threads = [threading.Thread(target=_grpc_generate, args=(triton_server, long_prompt if i == 0 else f"Story {i}:",
-                                                             {"temperature": 0, "max_tokens": 96, "ignore_eos": True}))
+    threads = [threading.Thread(target=_grpc_generate, args=(triton_server, f"Story {i}:",
+                                                             {"temperature": 0, "max_tokens": 48, "ignore_eos": True}))
                for i in range(20)]
     for t in threads:
         t.start()
@@ -237,4 +234,9 @@ def test_waiting_and_prefix_cache_gauges_follow_a_known_load(triton_server):
     for t in threads:
         t.join(300)
     assert triton_server.wait_metric("vllm:num_requests_waiting", lambda v: v == 0) == 0
-    assert triton_server.wait_metric("vllm:prefix_cache_hit_rate", lambda v: v > hit_rate) > hit_rate  # the repeat hit
+
+    long_prompt = " ".join(f"item{i}" for i in range(120))  # many full KV blocks
+    assert not _grpc_generate(triton_server, long_prompt, {"temperature": 0, "max_tokens": 2}).errors
+    before = triton_server.wait_metric("vllm:prefix_cache_hit_rate", lambda v: False, timeout=1.0)  # settled
+    assert not _grpc_generate(triton_server, long_prompt, {"temperature": 0, "max_tokens": 2}).errors
+    assert triton_server.wait_metric("vllm:prefix_cache_hit_rate", lambda v: v > before) > before  # the repeat hit
