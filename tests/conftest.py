@@ -134,15 +134,11 @@ def free_port() -> int:
             return port
 
 
-class TritonUnderTest:
-    def __init__(self, process, work_dir, log_path, http_port, grpc_port, metrics_port):
-        self.process, self.work_dir, self.log_path = process, work_dir, log_path
-        self.http_url = f"localhost:{http_port}"
-        self.grpc_url = f"localhost:{grpc_port}"
-        self.metrics_url = f"http://localhost:{metrics_port}/metrics"
+class TritonMetrics:
+    """Triton's /metrics at a URL: a vLLM metric's value, now or once a condition holds."""
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    def __init__(self, metrics_url: str):
+        self.metrics_url = metrics_url
 
     def metric(self, name: str) -> float:
         """The value of an unlabelled-by-us vLLM metric line on Triton's /metrics (first match)."""
@@ -163,6 +159,17 @@ class TritonUnderTest:
             if predicate(value) or time.monotonic() > deadline:
                 return value
             time.sleep(0.1)
+
+
+class TritonUnderTest(TritonMetrics):
+    def __init__(self, process, work_dir, log_path, http_port, grpc_port, metrics_port):
+        self.process, self.work_dir, self.log_path = process, work_dir, log_path
+        self.http_url = f"localhost:{http_port}"
+        self.grpc_url = f"localhost:{grpc_port}"
+        super().__init__(f"http://localhost:{metrics_port}/metrics")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
 
 # Engine arguments of the test server: fp32, so its greedy output can be compared token for token.

@@ -8,13 +8,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import TritonMetrics, free_port
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
@@ -86,9 +85,8 @@ def _stop_tree(process: subprocess.Popen) -> None:
             pass  # gone already
 
 
-def _metric(ports, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=5).read().decode()
-    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+def _metrics(ports) -> TritonMetrics:
+    return TritonMetrics(f"http://127.0.0.1:{ports['metrics']}/metrics")
 
 
 @pytest.fixture(scope="module")
@@ -144,22 +142,16 @@ def test_stop_ends_the_reply_and_the_server_request(page, stack):
     page.locator("#max-tokens input[type=number]").press("Enter")
     _ask(page, "Tell me a very long story about a dragon and a knight, with many chapters.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
-    assert _wait_metric(ports, "vllm:num_requests_running", lambda v: v >= 1) >= 1  # the gauge refreshes twice a second
+    # the gauges refresh twice a second
+    assert _metrics(ports).wait_metric("vllm:num_requests_running", lambda v: v >= 1, timeout=15) >= 1
     page.locator("#stop").click()
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('stopped')", timeout=10000)
     assert "streaming" not in page.locator("#reply-stats").inner_text()
     stopped_at = _bot_text(page)
-    assert _wait_metric(ports, "vllm:num_requests_running", lambda v: v == 0) == 0  # cancelled on the server
-    assert _wait_metric(ports, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
+    # cancelled on the server
+    assert _metrics(ports).wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
+    assert _metrics(ports).wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=15) == 0
     assert 0 < len(stopped_at) and _bot_text(page) == stopped_at  # the reply stopped growing where Stop cut it
-
-
-def _wait_metric(ports, name: str, predicate, timeout: float = 15.0) -> float:
-    """The metric's value once predicate holds (or its last value at the deadline)."""
-    deadline = time.monotonic() + timeout
-    while not predicate(value := _metric(ports, name)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return value
 
 
 def test_gateway_error_shows_as_a_message(page, stack):
@@ -224,17 +216,18 @@ def test_seed_regenerate_clear_and_the_system_prompt(page, stack):
         page.locator(field).press("Enter")
     system, question = "You are a pirate. Answer in one sentence.", "Tell me about the sea."
     page.locator("#system-prompt textarea").fill(system)
-    counted = _metric(ports, "vllm:prompt_tokens_total")
+    counted = _metrics(ports).metric("vllm:prompt_tokens_total")
     _ask(page, question)
     first = _reply_done(page)
     # the system prompt reached the model: Triton counted the conversation with it
     prompt = chat_prompt_ids(load_tokenizer(resolve_model(DEFAULT_MODEL)),
                              [{"role": "system", "content": system}, {"role": "user", "content": question}])
-    assert _wait_metric(ports, "vllm:prompt_tokens_total", lambda v: v >= counted + len(prompt)) == counted + len(prompt)
+    assert _metrics(ports).wait_metric("vllm:prompt_tokens_total", lambda v: v >= counted + len(prompt),
+                                       timeout=15) == counted + len(prompt)
 
     page.locator("#regenerate").click()  # the same seed: the same reply, in place of the first
-    assert _wait_metric(ports, "vllm:prompt_tokens_total", lambda v: v >= counted + 2 * len(prompt),
-                        timeout=60) == counted + 2 * len(prompt)  # it was generated again
+    assert _metrics(ports).wait_metric("vllm:prompt_tokens_total", lambda v: v >= counted + 2 * len(prompt),
+                                       timeout=60) == counted + 2 * len(prompt)  # it was generated again
     page.wait_for_function("(([bots, first]) => bots.length === 1 && bots[0].innerText === first)"
                            "([document.querySelectorAll('#chatbot .message.bot'), %s])" % json.dumps(first),
                            timeout=30000)
