@@ -32,8 +32,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     params = [r.params for r in requests]
     wants_logprobs = any(p.logprobs is not None for p in params)
     logits = logits.clone()  # the caller may sample these rows again, one by one, if this batch fails
-    if any(r.grammar is not None for r in requests):
-        apply_grammars(logits, [r.grammar for r in requests])
+    apply_grammars(logits, [r.grammar for r in requests])  # (nothing to do when no row has a grammar)
     logprobs_all = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     _apply_min_tokens(logits, requests)
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):

@@ -114,10 +114,6 @@ class StructuredOutputs:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # our cache is above
         return self._compiler
 
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-
 
 def _failed_unexpectedly(future: Future) -> bool:
     return future.done() and future.exception() is not None and not isinstance(future.exception(), GrammarError)

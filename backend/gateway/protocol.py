@@ -95,6 +95,11 @@ class SamplingFields(OpenAIModel):
                     raise ValueError(why)
         return data
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self.constraint()  # raises (a 400 naming the fields) when several are given
+        return self
+
     def constraint(self) -> StructuredOutputsParams | None:
         """What the output must match, from whichever of the fields names it (at most one may)."""
         given = {}

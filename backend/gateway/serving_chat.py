@@ -27,10 +27,7 @@ from backend.gateway.tools import ToolDeltas, constraint_for, render_prompt
 
 def prepare(serving: Serving, req: ChatCompletionRequest) -> tuple[str, StructuredOutputsParams | None]:
     """The prompt and the output's constraint, or a 400 naming what is wrong."""
-    try:
-        constraint = req.constraint()
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+    constraint = req.constraint()  # (at most one: checked when the request was validated)
     mode = req.tool_mode
     tool_constraint = constraint_for(mode, req.tools or [], req.parallel_tool_calls)
     if tool_constraint is not None and constraint is not None:

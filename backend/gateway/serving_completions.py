@@ -8,14 +8,11 @@ from starlette.responses import JSONResponse, Response
 
 from backend.gateway.protocol import CompletionRequest
 from backend.gateway.responses import CompletionChoice, CompletionResponse, Usage, completion_id, now
-from backend.gateway.serving import ApiError, Serving, Totals
+from backend.gateway.serving import Serving, Totals
 
 
 async def answer(serving: Serving, req: CompletionRequest, started: float) -> Response:
-    try:
-        constraint = req.constraint()
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+    constraint = req.constraint()  # (at most one: checked when the request was validated)
     # Token ids go to the engine as they are; their text is only for echo.
     ids = None if isinstance(req.prompt, str) else req.prompt
     prompt = req.prompt if ids is None else serving.tokenizer.decode(ids)
