@@ -1,7 +1,10 @@
 """`npu-llm chat`: an interactive terminal chat on the engine, streaming tokens as they come."""
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from backend.engine.engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
@@ -26,18 +29,29 @@ def run_chat(engine: LLMEngine, params: SamplingParams, system: str | None, out=
         history.append({"role": "assistant", "content": reply})
 
 
+@contextmanager
+def _ctrl_c_sets(stopped: threading.Event):
+    """While a reply streams, Ctrl-C (SIGINT) only sets a flag the step loop reads. A KeyboardInterrupt
+    could land anywhere, even where Python can only print and drop it (a finalizer, a callback)."""
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stopped.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _stream_reply(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, out) -> str:
     out.write("bot> ")
     request_id = engine.add_request(None, {"prompt_token_ids": prompt_ids}, params)
-    text = ""
-    try:
-        while engine.has_unfinished_requests():
+    text, stopped = "", threading.Event()
+    with _ctrl_c_sets(stopped):
+        while engine.has_unfinished_requests() and not stopped.is_set():
             for output in engine.step():
                 completion = output.outputs[0]
                 out.write(completion.delta)
                 out.flush()
                 text = completion.text
-    except KeyboardInterrupt:
+    if stopped.is_set() and engine.has_unfinished_requests():
         engine.abort_request(request_id)
         engine.step()  # collects the abort
         out.write(" [stopped]")

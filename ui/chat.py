@@ -63,7 +63,7 @@ class ChatBackend:
         when one is given); tools (an OpenAI tools list, as JSON) lets the model call them, shown readably."""
         messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
             {"role": m["role"], "content": m["content"]} for m in history]
-        start, first, text, chunks, tokens = time.perf_counter(), None, "", 0, None
+        start, first, text, chunks, tokens, prompt_tokens = time.perf_counter(), None, "", 0, None, None
         calls: dict[int, dict] = {}  # the tool calls streamed so far, by index
         stream = await self.async_client.chat.completions.create(
             model=self.model(), messages=messages, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens),
@@ -71,8 +71,8 @@ class ChatBackend:
             **_output_options(json_mode, schema, tools, tool_choice))
         try:
             async for chunk in stream:
-                if chunk.usage is not None:  # the exact count, in the last chunk
-                    tokens = chunk.usage.completion_tokens
+                if chunk.usage is not None:  # the exact counts, in the last chunk
+                    tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
                 delta = chunk.choices[0].delta if chunk.choices else None
                 if delta and (delta.content or delta.tool_calls):
                     first = first or time.perf_counter()
@@ -83,7 +83,7 @@ class ChatBackend:
                         entry["arguments"] += call.function.arguments or ""
                     chunks += 1  # one per engine step: a token, or a few that complete a character
                     yield _reply(text, calls), _stats(start, first, chunks, streaming=True)
-            yield _reply(text, calls), _stats(start, first, tokens or chunks, streaming=False)
+            yield _reply(text, calls), _stats(start, first, tokens or chunks, streaming=False, prompt_tokens=prompt_tokens)
         finally:
             await stream.close()  # on Stop too: closing the connection cancels the request on the server
 
@@ -154,7 +154,8 @@ def _reply(text: str, calls: dict[int, dict]) -> str:
     return "\n\n".join(shown)
 
 
-def _stats(start: float, first: float | None, tokens: int | None, streaming: bool) -> str:
+def _stats(start: float, first: float | None, tokens: int | None, streaming: bool,
+           prompt_tokens: int | None = None) -> str:
     if first is None:
         return "waiting for the first token…"
     ttft = first - start
@@ -164,6 +165,8 @@ def _stats(start: float, first: float | None, tokens: int | None, streaming: boo
         parts.append(f"{tokens} tokens")
         if elapsed > 0 and tokens > 1:
             parts.append(f"{(tokens - 1) / elapsed:.1f} tokens/s")
+    if prompt_tokens:  # the conversation as the model saw it (system prompt and template included)
+        parts.append(f"prompt {prompt_tokens} tokens")
     return " · ".join(parts) + (" · streaming…" if streaming else "")
 
 
