@@ -47,7 +47,7 @@ template <typename T>
 using raw_t = typename Raw<T>::type;
 
 template <typename T>
-raw_t<T>* raw(torch::Tensor& t) {
+raw_t<T>* raw(const at::Tensor& t) {
   return reinterpret_cast<raw_t<T>*>(t.data_ptr<T>());
 }
 
@@ -124,17 +124,17 @@ void rotary_rows(const int64_t* positions, const raw_t<T>* q, const raw_t<T>* k,
   });
 }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), name, " must be contiguous");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   auto w = weight.to(x.scalar_type()).contiguous();
   TORCH_CHECK(w.numel() == x.size(-1), "weight must have the hidden size");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t dim = x.size(-1), rows = dim ? x.numel() / dim : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(raw<scalar_t>(x), raw<scalar_t>(w), raw<scalar_t>(out), rows, dim, static_cast<float>(eps));
@@ -142,15 +142,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                     double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "x and residual must match in shape and dtype");
   auto w = weight.to(x.scalar_type()).contiguous();
   TORCH_CHECK(w.numel() == x.size(-1), "weight must have the hidden size");
-  auto out = torch::empty_like(x);
-  auto summed = torch::empty_like(x);
+  auto out = at::empty_like(x);
+  auto summed = at::empty_like(x);
   const int64_t dim = x.size(-1), rows = dim ? x.numel() / dim : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     add_rms_norm_rows<scalar_t>(raw<scalar_t>(x), raw<scalar_t>(residual), raw<scalar_t>(w), raw<scalar_t>(out),
@@ -159,8 +160,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {out, summed};
 }
 
-std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
-                                            torch::Tensor cos_sin_cache) {
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                         const at::Tensor& cos_sin_cache) {
   // query [T, Hq, D], key [T, Hkv, D]: views into the fused QKV output are fine as long as each token's heads
   // are contiguous (head stride D, element stride 1).
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3, "query [T, Hq, D] and key [T, Hkv, D] expected");
@@ -170,14 +171,14 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tens
   TORCH_CHECK(key.size(0) == tokens && key.size(2) == head_dim && head_dim % 2 == 0, "query and key do not match");
   auto cache = cos_sin_cache.to(query.scalar_type()).contiguous();
   TORCH_CHECK(cache.dim() == 2 && cache.size(1) == head_dim, "cos_sin_cache must be [max_position, head_dim]");
-  auto pos = positions.to(torch::kInt64).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == tokens, "one position per token");
   if (tokens) {
-    auto [lo, hi] = torch::aminmax(pos);
+    auto [lo, hi] = at::aminmax(pos);
     TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < cache.size(0), "position outside cos_sin_cache");
   }
-  auto q_out = torch::empty({tokens, query.size(1), head_dim}, query.options());
-  auto k_out = torch::empty({tokens, key.size(1), head_dim}, key.options());
+  auto q_out = at::empty({tokens, query.size(1), head_dim}, query.options());
+  auto k_out = at::empty({tokens, key.size(1), head_dim}, key.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
     rotary_rows<scalar_t>(pos.data_ptr<int64_t>(), raw<scalar_t>(query), raw<scalar_t>(key), raw<scalar_t>(cache),
                           raw<scalar_t>(q_out), raw<scalar_t>(k_out), tokens, query.size(1), key.size(1), head_dim,

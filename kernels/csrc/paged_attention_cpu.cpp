@@ -151,10 +151,10 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D] and cache [N, BS, Hkv, D] expected");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "query and caches must share a dtype");
@@ -162,7 +162,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   auto q = query.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim, "head shapes do not match");

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 
 class NpuGraphError(RuntimeError):
@@ -63,8 +62,13 @@ class _Launch:
     kwargs: dict
     outputs: list
 
+    def __post_init__(self):
+        self.reads_external = any(isinstance(v, _External) for v in _leaves((self.args, self.kwargs, self.outputs)))
+
     def run(self) -> None:
-        args, kwargs, outputs = tree_map(self._resolve, (self.args, self.kwargs, self.outputs))
+        args, kwargs, outputs = self.args, self.kwargs, self.outputs
+        if self.reads_external:
+            args, kwargs, outputs = _map(self._resolve, (args, kwargs, outputs))
         result = self.func(*args, **kwargs)
         for captured, fresh in zip(outputs, _tensors(result)):
             # In-place ops and views already act on the captured memory; anything new goes into it.
@@ -81,8 +85,29 @@ class _TaskGroup:
     launches: list[_Launch] = field(default_factory=list)
 
 
+# Op arguments are tuples, lists and dicts of values, a level or two deep. These walk them without pytree,
+# whose generality costs more than the ops themselves on replays of thousands of launches.
+def _leaves(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _map(fn, value):
+    if type(value) in (list, tuple):
+        return type(value)(_map(fn, v) for v in value)
+    if type(value) is dict:
+        return {k: _map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
 def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return [t for t in _leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -123,7 +148,7 @@ class _Recorder(TorchDispatchMode):
             outside = isinstance(value, torch.Tensor) and value.device.type != "cpu" and _storage(value) not in self.owned
             return _External(value) if outside else value
 
-        self.sink.append(_Launch(func, *tree_map(hold, (args, kwargs, _tensors(result)))))
+        self.sink.append(_Launch(func, *_map(hold, (args, kwargs, _tensors(result)))))
         if func not in _LIFTS:
             self.computed.update(t.data_ptr() for t in _tensors(result))
         return result
