@@ -45,11 +45,12 @@ def _arguments(parser):
 def source(environment) -> PromptSource:
     global _source
     if _source is None:
-        from backend.engine.tokenizer import load_tokenizer
+        from backend.engine.tokenizer import load_template_tokenizer
         from backend.models.registry import resolve_model
 
         o = environment.parsed_options
-        _source = PromptSource(load_tokenizer(resolve_model(o.tokenizer)), o.prompt_len, o.max_tokens, o.dataset)
+        _source = PromptSource(load_template_tokenizer(resolve_model(o.tokenizer)), o.prompt_len, o.max_tokens,
+                               o.dataset)
     return _source
 
 
@@ -200,6 +201,8 @@ class TritonGrpcUser(User):
 @events.test_start.add_listener
 def _watch_users(environment, **_):
     import gevent
+
+    source(environment)  # the tokenizer and prompts load now, not in the first user's first request
 
     def sample():
         while True:

@@ -160,6 +160,24 @@ class TritonMetrics:
                 return value
             time.sleep(0.1)
 
+    def settled(self, timeout: float = 15.0) -> None:
+        """Returns once nothing runs and every finished request is on /metrics. The backend publishes request
+        records and gauges every REFRESH_S, so two equal readings a refresh apart, with nothing running, mean
+        no record was still queued."""
+        import time
+
+        from backend.triton.metrics import REFRESH_S
+
+        def reading():
+            return (self.metric("vllm:num_requests_running"), self.metric("vllm:num_requests_waiting"),
+                    self.metric("vllm:e2e_request_latency_seconds_count"))
+
+        deadline, last = time.monotonic() + timeout, None
+        while (now := reading()) != last or now[:2] != (0, 0):
+            assert time.monotonic() < deadline, f"metrics did not settle: {now}"
+            last = now
+            time.sleep(REFRESH_S + 0.1)
+
 
 class TritonUnderTest(TritonMetrics):
     def __init__(self, process, work_dir, log_path, http_port, grpc_port, metrics_port):

@@ -1,4 +1,4 @@
-"""Short real loads (4 users, ~15 s) with locust against the real stack, one per target, and their reports."""
+"""Short real loads (4 users, ~8 s) with locust against the real stack, one per target, and their reports."""
 from __future__ import annotations
 
 import json
@@ -16,12 +16,12 @@ pytestmark = pytest.mark.slow
 def test_short_load_reports_consistent_figures(target, triton_server, gateway, tmp_path):
     host = {"gateway": gateway, "triton-grpc": triton_server.grpc_url,
             "triton-http": f"http://{triton_server.http_url}"}[target]
-    triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0)
-    before = triton_server.wait_metric("vllm:generation_tokens_total", lambda v: False, timeout=1.0)
+    triton_server.settled()
+    before = triton_server.metric("vllm:generation_tokens_total")
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--target", target, "--host", host, "--users", "4",
-         "--spawn-rate", "4", "--run-time", "15s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
+         "--spawn-rate", "4", "--run-time", "8s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
          "8:24", "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -48,3 +48,31 @@ def test_short_load_reports_consistent_figures(target, triton_server, gateway, t
     # locust's own CSV shows the metrics next to the requests
     stats_csv = (out / "locust_stats.csv").read_text()
     assert "TTFT" in stats_csv and "ITL" in stats_csv
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}],
+]
+
+
+def test_a_dataset_load_sends_its_conversations(gateway, default_model_dir, tmp_path):
+    """--dataset: the users send the file's conversations (as the chat template renders them), not synthetic text."""
+    from backend.engine.tokenizer import chat_prompt_ids, load_tokenizer
+
+    dataset = tmp_path / "conversations.jsonl"
+    dataset.write_text("\n".join(json.dumps({"messages": c}) for c in CONVERSATIONS) + "\n")
+    out = tmp_path / "report"
+    run = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "loadtest", "--target", "gateway", "--host", gateway, "--users", "2",
+         "--spawn-rate", "2", "--run-time", "6s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "4:8",
+         "--api-key", GATEWAY_API_KEY],
+        capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(default_model_dir)
+    lengths = {len(chat_prompt_ids(tokenizer, c)) for c in CONVERSATIONS}
+    assert len(records) >= 4 and not [r for r in records if r["error"]]
+    assert {r["prompt_tokens"] for r in records} == lengths  # each conversation, and nothing else
+    assert all(1 <= r["output_tokens"] <= 8 for r in records)  # EOS is honoured for real conversations

@@ -1,5 +1,5 @@
 """No client can hurt another, on the real stack (tritonserver + gateway): adversarial bodies while greedy
-streams run, a storm of disconnects, non-streaming disconnects, token-id prompts, caps, and a 60-second soak."""
+streams run, a storm of disconnects, non-streaming disconnects, token-id prompts, caps, and a 30-second soak."""
 from __future__ import annotations
 
 import json
@@ -152,13 +152,13 @@ def _check_triton(http_url: str, text, parameters: dict) -> None:
 
 
 def test_fuzzed_requests_get_4xx_and_never_disturb_other_streams(gateway, triton_server, expected_texts):
-    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(request=gateway_request)
     def fuzz_gateway(request):
         _check_gateway(gateway, *request)
 
-    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=50, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(request=triton_request)
     def fuzz_triton(request):
@@ -254,16 +254,16 @@ def test_a_storm_of_disconnects_leaves_nothing_behind(gateway, triton_server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
 
 
-def test_soak_of_sixty_seconds(gateway, triton_server, tmp_path):
+def test_soak_of_thirty_seconds(gateway, triton_server, tmp_path):
     """`npu-llm loadtest --soak` against the running stack: no error, no memory creep, no KV block held."""
     _assert_idle(triton_server)
     gateway_port = gateway.rsplit(":", 1)[1]
     http_port, grpc_port = triton_server.http_url.rsplit(":", 1)[1], triton_server.grpc_url.rsplit(":", 1)[1]
     metrics_port = triton_server.metrics_url.split(":")[2].split("/")[0]
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "loadtest", "--soak", "--soak-warm-up", "15", "--target", "gateway",
+        [sys.executable, "-m", "backend.cli", "loadtest", "--soak", "--soak-warm-up", "10", "--target", "gateway",
          "--host", gateway, "--gateway-port", gateway_port, "--http-port", http_port, "--grpc-port", grpc_port,
-         "--metrics-port", metrics_port, "--users", "4", "--spawn-rate", "4", "--run-time", "60s",
+         "--metrics-port", metrics_port, "--users", "4", "--spawn-rate", "4", "--run-time", "30s",
          "--prompt-len", "32:96", "--max-tokens", "8:32", "--api-key", GATEWAY_API_KEY, "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -271,5 +271,5 @@ def test_soak_of_sixty_seconds(gateway, triton_server, tmp_path):
     assert soak["failures"] == [] and soak["errors"] == 0 and soak["requests"] > 10
     assert any(name.startswith("engine") for name in soak["memory"]), soak["memory"]
     assert any(name.startswith("gateway") for name in soak["memory"]), soak["memory"]
-    assert soak["after_stop"]["kv_usage"] == 0 and soak["samples"] >= 20
+    assert soak["after_stop"]["kv_usage"] == 0 and soak["samples"] >= 12
     assert "soak passed" in run.stdout

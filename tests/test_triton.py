@@ -191,8 +191,7 @@ def test_bad_input_fails_only_its_request(triton_server, prompt, params, message
 def test_metrics_count_what_was_sent_and_received(triton_server):
     names = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count",
              "vllm:time_to_first_token_seconds_count"]
-    triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0)
-    time.sleep(1)  # let earlier requests' records flush
+    triton_server.settled()
     before = {n: triton_server.metric(n) for n in names}
     before_tpot = triton_server.metric("vllm:time_per_output_token_seconds_count")
     sent_prompt = received = 0
@@ -237,6 +236,7 @@ def test_waiting_and_prefix_cache_gauges_follow_a_known_load(triton_server):
 
     long_prompt = " ".join(f"item{i}" for i in range(120))  # many full KV blocks
     assert not _grpc_generate(triton_server, long_prompt, {"temperature": 0, "max_tokens": 2}).errors
-    before = triton_server.wait_metric("vllm:prefix_cache_hit_rate", lambda v: False, timeout=1.0)  # settled
+    triton_server.settled()
+    before = triton_server.metric("vllm:prefix_cache_hit_rate")
     assert not _grpc_generate(triton_server, long_prompt, {"temperature": 0, "max_tokens": 2}).errors
     assert triton_server.wait_metric("vllm:prefix_cache_hit_rate", lambda v: v > before) > before  # the repeat hit

@@ -40,7 +40,13 @@ def reference(reference_llm):
 
 
 def _infer(server, flags: dict, params: dict, stream: bool):
-    """All responses of one request, each as {output name: numpy value}; or the error text."""
+    """All responses of one request, each as {output name: numpy value}; and the errors."""
+    return _infer_all(server, [(flags, params, stream)])[0]
+
+
+def _infer_all(server, requests: list[tuple[dict, dict, bool]]) -> list[tuple[list[dict], list[str]]]:
+    """Several (flags, sampling parameters, stream) requests sent at once on one gRPC stream (so the engine
+    batches them); for each, its responses and errors, in order."""
     import tritonclient.grpc as grpcclient
 
     def tensor(name, value, dtype, triton_type):
@@ -48,30 +54,38 @@ def _infer(server, flags: dict, params: dict, stream: bool):
         t.set_data_from_numpy(np.array([value], dtype=dtype))
         return t
 
-    inputs = [tensor("text_input", PROMPT.encode(), np.object_, "BYTES"),
-              tensor("stream", stream, bool, "BOOL"),
-              tensor("sampling_parameters", json.dumps(params).encode(), np.object_, "BYTES")]
-    inputs += [tensor(name, value, bool, "BOOL") for name, value in flags.items()]
-    responses, errors, done = [], [], threading.Event()
+    results = [([], []) for _ in requests]
+    pending, lock, done = set(range(len(requests))), threading.Lock(), threading.Event()
 
     def collect(result, error):
-        if error is not None:
-            errors.append(str(error))
-            done.set()
-            return
-        names = [o.name for o in result.get_response().outputs]
-        if names:
-            responses.append({n: result.as_numpy(n) for n in names})
-        if result.get_response().parameters.get("triton_final_response").bool_param:
-            done.set()
+        if error is not None:  # an error carries no id: requests that may fail are sent alone
+            index = next(iter(pending))
+            results[index][1].append(str(error))
+        else:
+            response = result.get_response()
+            index = int(response.id)
+            names = [o.name for o in response.outputs]
+            if names:
+                results[index][0].append({n: result.as_numpy(n) for n in names})
+            if not response.parameters.get("triton_final_response").bool_param:
+                return
+        with lock:
+            pending.discard(index)
+            if not pending:
+                done.set()
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=partial(collect))
-    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    for index, (flags, params, stream) in enumerate(requests):
+        inputs = [tensor("text_input", PROMPT.encode(), np.object_, "BYTES"),
+                  tensor("stream", stream, bool, "BOOL"),
+                  tensor("sampling_parameters", json.dumps(params).encode(), np.object_, "BYTES")]
+        inputs += [tensor(name, value, bool, "BOOL") for name, value in flags.items()]
+        client.async_stream_infer("llm", inputs, request_id=str(index), enable_empty_final_response=True)
     assert done.wait(120), "no final response"
     client.stop_stream()
     client.close()
-    return responses, errors
+    return results
 
 
 FLAG_SETS = [dict(zip(RETURN_FLAGS, values)) for values in itertools.product([False, True], repeat=len(RETURN_FLAGS))]
@@ -86,8 +100,9 @@ def test_every_flag_combination_answers_as_vllm_backend_does(triton_server, refe
     params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     if logprobs is not None:
         params["logprobs"] = logprobs
-    for flags in FLAG_SETS:
-        responses, errors = _infer(triton_server, {**flags, "exclude_input_in_output": True}, params, stream)
+    answers = _infer_all(triton_server, [({**flags, "exclude_input_in_output": True}, params, stream)
+                                         for flags in FLAG_SETS])
+    for flags, (responses, errors) in zip(FLAG_SETS, answers):
         assert not errors, (flags, errors)
         wanted = {"text_output"} | {FLAG_OUTPUT[f] for f, on in flags.items() if on}
         assert all(set(r) == wanted for r in responses), (flags, [set(r) for r in responses])
@@ -158,8 +173,7 @@ def _value(samples: dict, name: str, **labels) -> float:
 
 
 def test_vllm_metric_families_count_a_known_load(triton_server):
-    triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0)
-    time.sleep(1.5)  # earlier requests' records flushed
+    triton_server.settled()
     before = _samples(triton_server)
     load = [({"max_tokens": 4, "n": 1}, 4), ({"max_tokens": 6, "n": 2}, 12), ({"max_tokens": 3, "n": 1}, 3)]
     prompt_tokens = 0
