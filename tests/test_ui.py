@@ -1,105 +1,50 @@
-"""The whole stack from `npu-llm up`, driven in a real headless Chromium; then its shutdown."""
+"""The chat UI (`npu-llm ui`) on the session's Triton and gateway, driven in a real headless Chromium."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from tests.conftest import TritonMetrics, free_port
+from tests.conftest import GATEWAY_API_KEY, free_port
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    ports = {name: free_port() for name in ("http", "grpc", "metrics", "gateway", "ui")}
-    log = open(tmp_path_factory.mktemp("up") / "up.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "backend.cli", "up", "--http-port", str(ports["http"]), "--grpc-port",
-         str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--gateway-port", str(ports["gateway"]),
-         "--ui-port", str(ports["ui"]), "--engine-arg", "max_num_seqs=8"],
-        stdout=log, stderr=subprocess.STDOUT)
+def ui(triton_server, gateway, tmp_path_factory):
+    """`npu-llm ui` as a real process: a client of the session's gateway, showing its Triton's metrics."""
+    from backend.serve import wait_http
+
+    port = free_port()
+    with open(tmp_path_factory.mktemp("ui") / "ui.log", "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", "ui", "--gateway-url", gateway, "--metrics-url",
+             triton_server.metrics_url, "--api-key", GATEWAY_API_KEY, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while not Path(log.name).read_text().count("npu-llm is up"):
-            assert process.poll() is None, Path(log.name).read_text()[-4000:]
-            assert time.monotonic() < deadline, "stack did not come up"
-            time.sleep(0.5)
-        yield process, ports, Path(log.name)
+        wait_http(f"http://127.0.0.1:{port}/", process, "the UI", timeout=120)
+        yield f"http://127.0.0.1:{port}"
     finally:
-        _stop_tree(process)
-
-
-def _stop_tree(process: subprocess.Popen) -> None:
-    """Stop `npu-llm up` and everything it started, whatever state it is in: SIGTERM (its own shutdown), then
-    SIGKILL to the process group of each child left (Triton, the gateway and the UI run in sessions of their own)."""
-    family = _descendants(process.pid)  # before the parent goes: its orphans would be reparented out of sight
-    if process.poll() is None:
         process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
-    ours = os.getpgid(0)
-    for pid in family:
-        try:
-            group = os.getpgid(pid)
-            if group != ours:  # never the test run's own group
-                os.killpg(group, signal.SIGKILL)
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # gone already
-
-
-def _metrics(ports) -> TritonMetrics:
-    return TritonMetrics(f"http://127.0.0.1:{ports['metrics']}/metrics")
+        process.wait(15)
 
 
 @pytest.fixture(scope="module")
-def page(stack):
+def page(ui):
     from playwright.sync_api import sync_playwright
 
-    _, ports, _ = stack
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.goto(f"http://127.0.0.1:{ports['ui']}/", wait_until="networkidle")
+        page.goto(ui, wait_until="networkidle")
         yield page
         browser.close()
 
@@ -114,8 +59,7 @@ def _ask(page, text: str) -> None:
     page.locator("#message textarea").press("Enter")
 
 
-def test_reply_streams_with_stats_and_panel(page, stack):
-    _, ports, _ = stack
+def test_reply_streams_with_stats_and_panel(page, triton_server):
     _ask(page, "Write three sentences about the sea.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('TTFT')", timeout=60000)
     first = len(_bot_text(page))
@@ -136,25 +80,24 @@ def test_reply_streams_with_stats_and_panel(page, stack):
     page.screenshot(path=str(ARTIFACTS / "ui-chat.png"))
 
 
-def test_stop_ends_the_reply_and_the_server_request(page, stack):
-    _, ports, _ = stack
+def test_stop_ends_the_reply_and_the_server_request(page, triton_server):
     page.locator("#max-tokens input[type=number]").fill("1500")
     page.locator("#max-tokens input[type=number]").press("Enter")
     _ask(page, "Tell me a very long story about a dragon and a knight, with many chapters.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
     # the gauges refresh twice a second
-    assert _metrics(ports).wait_metric("vllm:num_requests_running", lambda v: v >= 1, timeout=15) >= 1
+    assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v >= 1, timeout=15) >= 1
     page.locator("#stop").click()
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('stopped')", timeout=10000)
     assert "streaming" not in page.locator("#reply-stats").inner_text()
     stopped_at = _bot_text(page)
     # cancelled on the server
-    assert _metrics(ports).wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
-    assert _metrics(ports).wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=15) == 0
+    assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
+    assert triton_server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=15) == 0
     assert 0 < len(stopped_at) and _bot_text(page) == stopped_at  # the reply stopped growing where Stop cut it
 
 
-def test_gateway_error_shows_as_a_message(page, stack):
+def test_gateway_error_shows_as_a_message(page):
     page.locator("#max-tokens input[type=number]").fill("512")
     page.locator("#max-tokens input[type=number]").press("Enter")
     _ask(page, "word " * 9000)  # longer than max_model_len: the gateway answers 400
@@ -183,7 +126,7 @@ def _clear(page) -> None:
     page.wait_for_function("document.querySelector('#reply-stats').innerText.trim() === ''", timeout=15000)
 
 
-def test_json_mode_and_tool_calls_show_readably(page, stack):
+def test_json_mode_and_tool_calls_show_readably(page):
     _clear(page)
     page.locator("#json-mode input[type=checkbox]").check()
     page.locator("#json-schema textarea").fill(json.dumps(PET))
@@ -205,7 +148,7 @@ def test_json_mode_and_tool_calls_show_readably(page, stack):
     page.locator("#tools textarea").fill("")
 
 
-def test_seed_regenerate_clear_and_the_system_prompt(page, stack):
+def test_seed_regenerate_clear_and_the_system_prompt(page):
     from backend.engine.tokenizer import chat_prompt_ids, load_tokenizer
     from backend.models.registry import DEFAULT_MODEL, resolve_model
 
@@ -238,20 +181,3 @@ def test_seed_regenerate_clear_and_the_system_prompt(page, stack):
     page.locator("#system-prompt textarea").fill("")
     page.locator("#seed input").fill("-1")
     page.locator("#seed input").press("Enter")
-
-
-def test_sigterm_stops_everything(stack):
-    process, ports, _ = stack
-    family = _descendants(process.pid)
-    assert family, "no child processes?"
-    process.send_signal(signal.SIGTERM)
-    process.wait(30)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (any(_port_open(p) for p in ports.values())
-                                           or any(Path(f"/proc/{pid}").exists() for pid in family)):
-        time.sleep(0.2)
-    assert not [name for name, p in ports.items() if _port_open(p)]
-    alive = [pid for pid in family if Path(f"/proc/{pid}").exists()
-             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
-    assert not alive
-    assert process.returncode == 0

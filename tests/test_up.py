@@ -1,0 +1,147 @@
+"""`npu-llm up` from cold, as on a new machine: one-time work is done before it says it is up, so the first request
+is as fast as the tenth; then SIGTERM stops every process it started.
+
+It starts with an empty torch-extensions cache, so the CPU kernels are built while it starts: before the engine
+warmed up at start-up, a newcomer's first reply stalled after one token while the extension compiled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _stop_tree(process: subprocess.Popen) -> None:
+    """Stop `npu-llm up` and everything it started, whatever state it is in: SIGTERM (its own shutdown), then
+    SIGKILL to the process group of each child left (Triton, the gateway and the UI run in sessions of their own)."""
+    family = _descendants(process.pid)  # before the parent goes: its orphans would be reparented out of sight
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+    ours = os.getpgid(0)
+    for pid in family:
+        try:
+            group = os.getpgid(pid)
+            if group != ours:  # never the test run's own group
+                os.killpg(group, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already
+
+
+def _timed_stream(client, prompt: str) -> tuple[float, float]:
+    """(TTFT, median gap between responses) of one streamed greedy request, in seconds."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype, triton_type):
+        t = grpcclient.InferInput(name, [1], triton_type)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        return t
+
+    params = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    inputs = [tensor("text_input", prompt.encode(), np.object_, "BYTES"), tensor("stream", True, bool, "BOOL"),
+              tensor("sampling_parameters", json.dumps(params).encode(), np.object_, "BYTES")]
+    arrivals: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=partial(lambda q, result, error: q.put((time.perf_counter(), result, error)),
+                                         arrivals))
+    sent = time.perf_counter()
+    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    times = []
+    while True:
+        at, result, error = arrivals.get(timeout=120)
+        assert error is None, error
+        if result.get_response().parameters.get("triton_final_response").bool_param:
+            break
+        times.append(at)
+    client.stop_stream()
+    assert len(times) >= 6, "expected one response per token"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return times[0] - sent, statistics.median(gaps)
+
+
+def test_up_from_cold_serves_the_first_request_as_fast_as_the_tenth_and_sigterm_stops_all(tmp_path):
+    import tritonclient.grpc as grpcclient
+
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "gateway", "ui")}
+    log_path = tmp_path / "up.log"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}  # nothing prebuilt
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", "up", "--http-port", str(ports["http"]), "--grpc-port",
+             str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--gateway-port", str(ports["gateway"]),
+             "--ui-port", str(ports["ui"]), "--engine-arg", "kv_cache_memory_gb=0.5"],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while "npu-llm is up" not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the stack did not come up"
+            time.sleep(0.5)
+        assert any((tmp_path / "torch_extensions").rglob("*.so")), "the kernels were not built before it was up"
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['ui']}/", timeout=10) as page:
+            assert page.status == 200  # the UI answers too
+        client = grpcclient.InferenceServerClient(f"localhost:{ports['grpc']}")
+        runs = [_timed_stream(client, f"Request {i}: name a colour and a number.") for i in range(10)]
+        client.close()
+        (first_ttft, first_itl), (tenth_ttft, tenth_itl) = runs[0], runs[9]
+        assert first_ttft <= 2 * tenth_ttft, (runs, log_path.read_text()[-3000:])
+        assert first_itl <= 2 * tenth_itl, runs
+
+        family = _descendants(process.pid)
+        assert len(family) >= 3, "Triton, the gateway and the UI"
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (any(_port_open(p) for p in ports.values())
+                                               or any(Path(f"/proc/{pid}").exists() for pid in family)):
+            time.sleep(0.2)
+        assert not [name for name, p in ports.items() if _port_open(p)]
+        alive = [pid for pid in family if Path(f"/proc/{pid}").exists()
+                 and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+        assert not alive
+        assert process.returncode == 0
+    finally:
+        _stop_tree(process)
