@@ -56,6 +56,35 @@ def test_bench_throughput_runs_and_reports_both_engines():
                                                               rel=0.05)
 
 
+def test_bench_serving_runs_in_process_and_through_the_stack_it_starts():
+    """A tiny `npu-llm bench serving`: the same prompts in-process, through Triton gRPC and through the gateway,
+    the ratios between them, and throughput at each concurrency; the stack it started is gone afterwards."""
+    import json
+    import socket
+
+    from tests.conftest import free_port
+
+    ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
+    run = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "bench", "serving", "--num-prompts", "2", "--input-len", "16",
+         "--output-len", "4", "--concurrency", "1", "2", "--engine-arg", "max_num_seqs=4",
+         *(a for name, port in ports.items() for a in (f"--{name}-port", str(port)))],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["prompts"] == 2 and result["output_len"] == 4
+    for path in ("triton_grpc", "gateway"):
+        for figure in ("ttft_ms", "itl_ms"):
+            assert result[path][figure] > 0 and result["in_process"][figure] > 0
+            assert result["ratio_vs_in_process"][path][figure] == round(
+                result[path][figure] / result["in_process"][figure], 2)
+    assert set(result["gateway_output_tokens_per_s"]) == {"1", "2"}
+    assert all(v > 0 for v in result["gateway_output_tokens_per_s"].values())
+    for name, port in ports.items():
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, name
+
+
 def test_chat_streams_in_a_terminal_and_ctrl_c_stops_a_reply():
     """Under a pseudo-terminal, as a person runs it: a reply streams; Ctrl-C (the terminal's SIGINT) stops a long
     one and the chat goes on; Ctrl-D quits."""

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from backend import SamplingParams
 from backend.models.registry import DEFAULT_MODEL
-from tests.conftest import GATEWAY_API_KEY
+from tests.conftest import GATEWAY_API_KEY, free_port
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL  # the name the gateway serves it under
@@ -254,18 +254,16 @@ def test_a_storm_of_disconnects_leaves_nothing_behind(gateway, triton_server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
 
 
-def test_soak_of_thirty_seconds(gateway, triton_server, tmp_path):
-    """`npu-llm loadtest --soak` against the running stack: no error, no memory creep, no KV block held."""
-    _assert_idle(triton_server)
-    gateway_port = gateway.rsplit(":", 1)[1]
-    http_port, grpc_port = triton_server.http_url.rsplit(":", 1)[1], triton_server.grpc_url.rsplit(":", 1)[1]
-    metrics_port = triton_server.metrics_url.split(":")[2].split("/")[0]
+def test_soak_of_thirty_seconds_on_a_stack_it_starts(tmp_path):
+    """`npu-llm loadtest --start-stack --soak`: it starts Triton and the gateway, loads them for 30 s while watching
+    their memory and the KV cache, and stops them: no error, no memory creep, no KV block held, no port left open."""
+    ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "loadtest", "--soak", "--soak-warm-up", "10", "--target", "gateway",
-         "--host", gateway, "--gateway-port", gateway_port, "--http-port", http_port, "--grpc-port", grpc_port,
-         "--metrics-port", metrics_port, "--users", "4", "--spawn-rate", "4", "--run-time", "30s",
-         "--prompt-len", "32:96", "--max-tokens", "8:32", "--api-key", GATEWAY_API_KEY, "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "backend.cli", "loadtest", "--start-stack", "--soak", "--soak-warm-up", "10",
+         "--target", "gateway", *(a for name, port in ports.items() for a in (f"--{name}-port", str(port))),
+         "--engine-arg", "max_num_seqs=8", "--users", "4", "--spawn-rate", "4", "--run-time", "30s",
+         "--prompt-len", "32:96", "--max-tokens", "8:32", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     soak = json.loads((tmp_path / "soak.json").read_text())
     assert soak["failures"] == [] and soak["errors"] == 0 and soak["requests"] > 10
@@ -273,3 +271,6 @@ def test_soak_of_thirty_seconds(gateway, triton_server, tmp_path):
     assert any(name.startswith("gateway") for name in soak["memory"]), soak["memory"]
     assert soak["after_stop"]["kv_usage"] == 0 and soak["samples"] >= 12
     assert "soak passed" in run.stdout
+    for name, port in ports.items():  # the stack it started is gone
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, name
