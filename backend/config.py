@@ -37,6 +37,8 @@ class EngineConfig:
     max_seq_len_to_capture: int = 8192  # decode batches holding a longer sequence run eagerly
     seed: int = 0
     profile_dir: str | None = None  # where start_profile / stop_profile write traces and step breakdowns
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (README: Tensor parallel)
+    distributed_executor_backend: str = "mp"  # how the other ranks start: local processes
 
     def __post_init__(self):
         self._check()
@@ -71,6 +73,10 @@ class EngineConfig:
             fail("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_memory_gb <= 0:
             fail("kv_cache_memory_gb", "must be positive")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "must be at least 1")
+        if self.distributed_executor_backend != "mp":
+            fail("distributed_executor_backend", "must be 'mp' (local worker processes)")
 
     def finalize(self, platform: str, model_max_len: int) -> None:
         """Fill the defaults that depend on the device and the model, and check what they constrain."""
@@ -85,6 +91,9 @@ class EngineConfig:
         if platform == "cpu" and not self.enforce_eager:
             log.warning("enforce_eager=False: torch has no CPU graphs, so the engine runs eagerly")
             self.enforce_eager = True
+        if self.tensor_parallel_size > 1 and not self.enforce_eager:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: decode graphs do not capture the "
+                             "all-reduce yet; set enforce_eager=true")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

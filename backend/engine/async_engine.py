@@ -136,6 +136,8 @@ class AsyncEngine:
             self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     def _unavailable(self) -> EngineDeadError | None:
         if self.dead_error is not None:

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import EngineConfig
+from backend.distributed import SINGLE
 from backend.engine import memory
+from backend.engine.executor import ParallelRunner, RankFailedError, start_workers
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
@@ -30,6 +32,7 @@ from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.structured_outputs import StructuredOutputs
 from backend.engine.tokenizer import eos_token_ids, load_tokenizer
+from backend.models.llama import check_tensor_parallel
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
@@ -71,14 +74,21 @@ class LLMEngine:
         tune_host_allocator()
         torch.manual_seed(config.seed)
         model_dir = resolve_model(config.model)
-        config.finalize(self.platform.name, max_model_len_of(load_config(model_dir)))
+        model_config = load_config(model_dir)
+        config.finalize(self.platform.name, max_model_len_of(model_config))
+        check_tensor_parallel(model_config, config.tensor_parallel_size)
+        tp, parallel = SINGLE, None
+        if config.tensor_parallel_size > 1:  # the other ranks start now, and load their shards alongside ours
+            tp, *parallel = start_workers(config, self.platform.name)
         in_use_before = memory.allocated(self.platform)
         self.model, self.model_config, self.model_dir = load_model(
-            model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len
+            model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp
         )
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
         self.runner = ModelRunner(self.model, 0, config.block_size, self.platform.device)  # the scratch block only
+        if parallel:
+            self.runner = ParallelRunner(self.runner, *parallel)
         self.memory_split: memory.MemorySplit | None = None  # how device memory was shared out (accelerators)
         weights = memory.allocated(self.platform) - in_use_before  # (and the rope table and the scratch block)
         num_blocks = config.num_kv_blocks or self._blocks_that_fit(weights)
@@ -104,6 +114,11 @@ class LLMEngine:
         self._warm_up()
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, self.platform.device,
                  num_blocks, config.block_size)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if there are any."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -302,6 +317,8 @@ class LLMEngine:
         ]
         try:
             logits = self.runner.execute(chunks)
+        except RankFailedError:
+            raise  # without every rank no step can run: the engine stops
         except Exception as e:
             log.exception("forward pass failed")
             for parent_id in dict.fromkeys(self.outputs.parent_of(s.request).request_id for s in scheduled):

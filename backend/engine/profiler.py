@@ -40,6 +40,7 @@ ROWS = {
     "prefill attention": ("attention.prefill",),
     "decode attention": ("attention.decode",),
     "norms, rotary, activation": ("forward",),
+    "TP all-reduce, all-gather": ("all_reduce", "all_gather"),
     "sampler": ("sample",),
     "scheduler, Python bookkeeping": ("schedule", "prepare", "step"),
     "detokenization": ("detokenize",),

@@ -4,6 +4,12 @@ Tokens arrive flattened ([num_tokens]) with their positions; there is no padding
 batch dimension. Attention reads and writes the paged KV cache through the platform's
 kernels. q/k/v and gate/up are fused into single matmuls (their checkpoint tensors are
 loaded into row ranges, see `stacked_params`).
+
+Tensor parallel (Megatron-style, as vLLM shards these models): q/k/v and gate/up are column-parallel
+(each rank holds its heads and its share of the intermediate size), o_proj and down_proj row-parallel
+(one all-reduce each), the embedding and lm_head vocab-parallel. KV heads are split across ranks, or
+replicated when there are fewer of them than ranks. Each rank's slice of a checkpoint tensor is named
+by `checkpoint_shard`.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from backend.distributed import SINGLE, TensorParallel
 from kernels import AttentionMetadata
 from kernels.timing import scope
 
@@ -73,6 +80,41 @@ class Linear(nn.Linear):
             self.register_buffer("weight", packed, persistent=False)
 
 
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split across ranks: partial products, summed by one all-reduce;
+    the bias is added once, after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias, ops)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        with scope("matmul"):
+            y = self.ops.linear(x, self.weight, None)
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds a contiguous range of the vocabulary's rows; a token's row comes from the rank
+    that holds it (the others contribute zeros to the all-reduce)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__(tp.split(vocab_size, "vocab_size"), hidden_size)
+        self.tp = tp
+        self.start = tp.rank * self.num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        held = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, ops: ModuleType):
         super().__init__()
@@ -86,11 +128,31 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def kv_heads_per_rank(config, tp: TensorParallel) -> int:
+    """KV heads split across ranks; fewer heads than ranks: one per rank, each replicated on size / heads ranks."""
+    total = config.num_key_value_heads
+    if total >= tp.size:
+        return tp.split(total, "num_key_value_heads")
+    if tp.size % total:
+        raise ValueError(f"tensor_parallel_size={tp.size} must be a multiple of num_key_value_heads ({total}) "
+                         "when it exceeds it")
+    return 1
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """Whether the model shards over `size` ranks (a clear error before any worker starts, if not)."""
+    tp = TensorParallel(0, size)
+    tp.split(config.num_attention_heads, "num_attention_heads")
+    kv_heads_per_rank(config, tp)
+    tp.split(config.intermediate_size, "intermediate_size")
+    tp.split(config.vocab_size, "vocab_size")
+
+
 class Attention(nn.Module):
-    def __init__(self, config, ops: ModuleType):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(config, tp)
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -99,7 +161,7 @@ class Attention(nn.Module):
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         o_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, ops)
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias, ops)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, ops, tp)
         self.ops = ops
 
     def forward(self, x, positions, cos_sin_cache, kv_cache: KVCache, metadata: AttentionMetadata):
@@ -115,14 +177,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, ops: ModuleType):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (expected silu)")
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, ops)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, ops)
+        self.intermediate_size = tp.split(config.intermediate_size, "intermediate_size")
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias, ops)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, ops, tp)
         self.ops = ops
 
     def forward(self, x):
@@ -130,12 +192,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, ops: ModuleType):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, metadata):
         if residual is None:
@@ -148,10 +210,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, ops: ModuleType):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata):
@@ -172,15 +234,17 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, ops: ModuleType):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, ops)
+        self.tp = tp
+        self.model = LlamaModel(config, ops, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab_rows = self.model.embed_tokens.num_embeddings  # this rank's share of the vocabulary
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.ops = ops
         self.lm_head_weight = None  # the output projection in the kernels' layout, set by pack_weights
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's (its KV cache holds these)
         self.head_dim = head_dim_of(config)
         self.cos_sin_cache = None  # built by init_rope once the model sits on its device and dtype
 
@@ -198,7 +262,28 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         if fused_name == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config.intermediate_size] * 2
+        return [self.model.layers[0].mlp.intermediate_size] * 2
+
+    def checkpoint_shard(self, key: str) -> tuple[int, int, int] | None:
+        """This rank's slice of a checkpoint tensor, as (dimension, start, length); None: the whole tensor."""
+        if self.tp.size == 1:
+            return None
+        attn, rank = self.model.layers[0].self_attn, self.tp.rank
+        if ".q_proj." in key:
+            return 0, rank * attn.q_size, attn.q_size
+        if ".k_proj." in key or ".v_proj." in key:
+            first_head = rank * self.config.num_key_value_heads // self.tp.size  # (replicated heads repeat)
+            return 0, first_head * attn.head_dim, attn.kv_size
+        intermediate = self.model.layers[0].mlp.intermediate_size
+        if ".gate_proj." in key or ".up_proj." in key:
+            return 0, rank * intermediate, intermediate
+        if key.endswith("o_proj.weight"):
+            return 1, rank * attn.q_size, attn.q_size
+        if key.endswith("down_proj.weight"):
+            return 1, rank * intermediate, intermediate
+        if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return 0, self.model.embed_tokens.start, self.model.embed_tokens.num_embeddings
+        return None  # norms, and the row-parallel biases (added once, after the all-reduce)
 
     def init_rope(self, max_positions: int) -> None:
         weight = self.model.embed_tokens.weight
@@ -220,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with scope("matmul"):
             if self.lm_head_weight is not None:
-                return self.ops.linear(hidden, self.lm_head_weight)
-            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return F.linear(hidden, weight)
+                logits = self.ops.linear(hidden, self.lm_head_weight)
+            else:
+                weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+                logits = F.linear(hidden, weight)
+        return self.tp.all_gather(logits)  # each rank's vocabulary range, in rank order

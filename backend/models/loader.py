@@ -8,6 +8,7 @@ from types import ModuleType
 import torch
 from safetensors import SafetensorError, safe_open
 
+from backend.distributed import SINGLE, TensorParallel
 from backend.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from backend.models.registry import resolve_model
 
@@ -82,14 +83,16 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
+    tp: TensorParallel = SINGLE,
 ):
-    """(model, config, model_dir): weights loaded on `device` in `dtype`, rope table sized for max_model_len."""
+    """(model, config, model_dir): weights loaded on `device` in `dtype`, rope table sized for max_model_len;
+    under tensor parallelism, only this rank's shards are read."""
     device = torch.device(device)
     model_dir = resolve_model(model)
     config = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
-        module = LlamaForCausalLM(config, ops)
+        module = LlamaForCausalLM(config, ops, tp)
     # Cast while still on meta, so the device never holds a float32 copy of the weights (freed fp32
     # blocks would stay reserved by the caching allocator and count against the KV cache).
     module = module.to(torch_dtype).to_empty(device=device)
@@ -106,12 +109,21 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    _load_tensor(module, params, unfilled, key, f.get_tensor(key), path)
+                    _load_tensor(module, params, unfilled, key, _read(f, key, module.checkpoint_shard(key)), path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
     missing = [name for name, rows in unfilled.items() if rows]
     if missing:
         raise ModelLoadError(f"{files[0].parent}: checkpoint lacks tensors for {', '.join(missing[:5])}")
+
+
+def _read(f, key: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    """A checkpoint tensor, or only the slice of it this rank holds (read from the file, not sliced after)."""
+    if shard is None:
+        return f.get_tensor(key)
+    dim, start, length = shard
+    part = f.get_slice(key)
+    return part[start:start + length] if dim == 0 else part[:, start:start + length]
 
 
 def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path: Path) -> None:

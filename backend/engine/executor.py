@@ -1,0 +1,139 @@
+"""Tensor-parallel workers as local processes, as vLLM's multiproc executor runs them.
+
+Rank 0 is the engine's own process: it keeps the one scheduler, the KV block accounting and the
+sampler. Ranks 1..N-1 are worker processes, each holding its shards of the model and its heads of
+the KV cache. Every ModelRunner call that runs the model is broadcast to the workers before rank 0
+makes it, so all ranks enter the same collectives in the same order, and rank 0 keeps the result
+(the all-gathered logits). The broadcasts go over a gloo group on the CPU; the model's own
+all-reduces go over the device's backend (backend/distributed.py). Collectives time out, so a dead
+rank fails the step instead of hanging it.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from backend.config import EngineConfig
+from backend.distributed import TensorParallel, init_tensor_parallel, timeout
+from backend.engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# The ModelRunner methods that run the model (or size what it runs on): every rank makes each of them.
+COLLECTIVE = frozenset({"allocate_kv_cache", "profile_run", "warm_up", "execute"})
+STOP = "stop"
+
+
+class RankFailedError(RuntimeError):
+    """A step failed on some rank (it died, hung past the timeout, or raised): the ranks are out of step,
+    so no further step can run."""
+
+
+class ParallelRunner:
+    """Rank 0's ModelRunner, whose model-running calls are made on every rank."""
+
+    def __init__(self, runner: ModelRunner, control, workers: list):
+        self.runner, self._control, self._workers = runner, control, workers
+        self._failed = False  # a step failed: the ranks are out of step and cannot be told anything
+
+    def __getattr__(self, name: str):
+        value = getattr(self.runner, name)
+        if name not in COLLECTIVE:
+            return value  # state (kv_caches, num_blocks, ...) is rank 0's
+
+        def on_every_rank(*args, **kwargs):
+            try:
+                _broadcast([name, args, kwargs], self._control)
+                return value(*args, **kwargs)
+            except Exception as e:
+                self._failed = True
+                for worker in self._workers:  # a peer that closed its connection is usually exiting: wait to see it
+                    worker.join(1)
+                reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                raise RankFailedError(f"tensor-parallel {name} failed ({self._describe_workers()}): {reason}") from e
+
+        return on_every_rank
+
+    def _describe_workers(self) -> str:
+        states = [f"rank {rank} " + ("running" if w.is_alive() else f"exited with code {w.exitcode}")
+                  for rank, w in enumerate(self._workers, start=1)]
+        return ", ".join(states)
+
+    def shutdown(self) -> None:
+        """The workers leave their loop and exit; any still running after a grace period (or at once, after
+        a failed step) is killed."""
+        if not self._failed:
+            try:
+                _broadcast([STOP, (), {}], self._control)
+            except Exception as e:  # a rank died since the last step
+                log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
+        for worker in self._workers:
+            worker.join(0 if self._failed else 10)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_workers(config: EngineConfig, device_type: str) -> tuple[TensorParallel, object, list]:
+    """Spawn ranks 1..N-1 and join them as rank 0: (this rank's group, the control group, the workers)."""
+    size = config.tensor_parallel_size
+    threads = _share_cpu_threads(device_type, size)
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="npu-llm-tp-"), "rendezvous")
+    init_method = f"file://{rendezvous}"
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited torch threads or device state
+    workers = [context.Process(target=_worker, args=(config, device_type, rank, size, init_method, threads),
+                               name=f"npu-llm-tp{rank}", daemon=True) for rank in range(1, size)]
+    for worker in workers:
+        worker.start()
+    tp = init_tensor_parallel(device_type, 0, size, init_method)
+    return tp, _control_group(device_type), workers
+
+
+def _share_cpu_threads(device_type: str, size: int) -> int:
+    """On the CPU the ranks share its cores: each gets its share of torch's threads (rank 0 sets its own now)."""
+    threads = max(1, torch.get_num_threads() // size) if device_type == "cpu" else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _control_group(device_type: str):
+    """The group the steps are broadcast on: gloo, whose objects travel through CPU memory."""
+    if device_type == "cpu":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout())
+
+
+def _broadcast(message: list, control) -> list:
+    dist.broadcast_object_list(message, src=0, group=control)
+    return message
+
+
+def _worker(config: EngineConfig, device_type: str, rank: int, size: int, init_method: str, threads: int) -> None:
+    """One rank: its shards of the model, then every call rank 0 broadcasts, until told to stop."""
+    from backend.models.loader import load_model
+    from backend.models.registry import resolve_model
+    from backend.platform import resolve_platform
+    from kernels import ops_for
+
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(threads)
+    platform = resolve_platform(device_type if device_type == "cpu" else f"{device_type}:{rank}")
+    tp = init_tensor_parallel(device_type, rank, size, init_method)
+    control = _control_group(device_type)
+    model, _, _ = load_model(resolve_model(config.model), ops_for(platform.name), platform.device, config.dtype,
+                             config.max_model_len, tp)
+    runner = ModelRunner(model, 0, config.block_size, platform.device)
+    with torch.inference_mode():
+        while True:
+            name, args, kwargs = _broadcast([None, None, None], control)
+            if name == STOP:
+                break
+            getattr(runner, name)(*args, **kwargs)
+    dist.destroy_process_group()

@@ -1,0 +1,107 @@
+"""Tensor parallel over gloo (2 local processes) computes what one process computes: the same greedy tokens and
+logprobs, through chunked prefill and a prefix-cache hit, on Llama with GQA and on Qwen2 with biases. A rank that
+dies or hangs stops the engine with a clear error, within the collectives' timeout, and no process stays behind."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from backend import LLM, LLMEngine, SamplingParams
+from backend.engine.executor import RankFailedError
+from tests.conftest import make_tiny_model
+
+pytestmark = pytest.mark.slow
+STEPS = 64
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 500) for _ in range(40)]  # two full 16-token blocks and more, asked twice
+    return [shared + [rng.randrange(1, 500) for _ in range(n)] for n in (5, 20)] + [
+        [rng.randrange(1, 500) for _ in range(n)] for n in (3, 57)]
+
+
+def _generate(model_dir, tokenizer_dir, tensor_parallel_size: int):
+    llm = LLM(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.shutdown()
+    return [o.outputs[0] for o in outputs], stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_ranks_over_gloo_equal_one(arch, tmp_path, default_model_dir):
+    model_dir = make_tiny_model(arch, tmp_path / arch)
+    alone, _ = _generate(model_dir, default_model_dir, 1)
+    sharded, stats = _generate(model_dir, default_model_dir, 2)
+    assert stats.prefix_cache_hit_rate > 0  # the second prompt with the shared prefix reused its blocks
+    assert max(len(p) for p in _prompts()) > 32  # longer than a step's budget: chunked prefill
+    worst = 0.0
+    for a, b in zip(alone, sharded):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == STEPS
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys()  # the same five most likely tokens
+            worst = max(worst, *(abs(step_a[t].logprob - step_b[t].logprob) for t in step_a))
+    assert worst < 1e-4, worst
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tp-llama"))
+
+
+def _running_engine(model_dir, tokenizer_dir):
+    """A TP=2 engine one request into a long generation, and its worker process."""
+    engine = LLMEngine(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", num_kv_blocks=64,
+                       tensor_parallel_size=2)
+    [worker] = engine.runner._workers
+    engine.add_request(None, {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=500, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    return engine, worker
+
+
+def _steps_until_failure(engine) -> tuple[RankFailedError, float]:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        while time.monotonic() - start < 120:
+            engine.step()
+    return failure.value, time.monotonic() - start
+
+
+def test_a_killed_rank_stops_the_engine_at_once_with_a_clear_error(tiny_llama, default_model_dir):
+    engine, worker = _running_engine(tiny_llama, default_model_dir)
+    os.kill(worker.pid, signal.SIGKILL)
+    error, waited = _steps_until_failure(engine)
+    assert "rank 1 exited with code -9" in str(error) and waited < 10
+    engine.shutdown()
+    assert not worker.is_alive()
+
+
+def test_a_hung_rank_fails_the_step_after_the_timeout_and_is_stopped(tiny_llama, default_model_dir, monkeypatch):
+    monkeypatch.setenv("NPU_LLM_DISTRIBUTED_TIMEOUT_S", "3")
+    engine, worker = _running_engine(tiny_llama, default_model_dir)
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, but it never answers
+    try:
+        error, waited = _steps_until_failure(engine)
+        assert "rank 1 running" in str(error) and 2.5 < waited < 20
+        engine.shutdown()
+        assert not worker.is_alive()  # killed: it could not be told to stop
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+
+
+def test_a_model_that_does_not_shard_evenly_is_refused_before_any_worker_starts(default_model_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide num_attention_heads \(9\)"):
+        LLMEngine(model=str(default_model_dir), tensor_parallel_size=2)  # SmolLM2-135M: 9 heads, 3 KV heads
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("npu-llm-tp")]
