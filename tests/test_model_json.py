@@ -17,15 +17,16 @@ def test_a_vllm_backend_model_json_loads():
     assert config.enable_prefix_caching is False and parsed.disable_log_stats is False
     assert parse_model_json({"model": "m", "disable_log_stats": True}).disable_log_stats is True
     assert parse_model_json({"model": "m", "dtype": "half"}).config.dtype == "float16"  # vLLM's alias
+    assert parse_model_json({"model": "m", "tensor_parallel_size": 3}).config.tensor_parallel_size == 3
 
 
 def test_what_cannot_be_honoured_fails_the_load_by_name():
     with pytest.raises(ValueError) as error:
-        parse_model_json({"model": "m", "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "speculative_config": {}})
+        parse_model_json({"model": "m", "pipeline_parallel_size": 2, "kv_cache_dtype": "fp8", "speculative_config": {}})
     message = str(error.value)
-    assert "tensor_parallel_size=2" in message and "kv_cache_dtype='fp8'" in message
+    assert "pipeline_parallel_size=2" in message and "kv_cache_dtype='fp8'" in message
     assert "speculative_config (unknown)" in message
-    assert "accepted keys:" in message and "tensor_parallel_size" in message.split("accepted keys:")[1]
+    assert "accepted keys:" in message and "pipeline_parallel_size" in message.split("accepted keys:")[1]
     with pytest.raises(ValueError, match="disable_log_stats='false'"):  # a string is not a switch
         parse_model_json({"model": "m", "disable_log_stats": "false"})
     with pytest.raises(ValueError, match="max_num_seqs"):  # our own checks still apply

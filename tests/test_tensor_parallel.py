@@ -63,7 +63,7 @@ def _running_engine(model_dir, tokenizer_dir):
     """A TP=2 engine one request into a long generation, and its worker process."""
     engine = LLMEngine(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", num_kv_blocks=64,
                        tensor_parallel_size=2)
-    [worker] = engine.runner._workers
+    [worker] = engine.runner.workers.processes
     engine.add_request(None, {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=500, ignore_eos=True))
     for _ in range(3):
         engine.step()

@@ -77,9 +77,9 @@ class LLMEngine:
         model_config = load_config(model_dir)
         config.finalize(self.platform.name, max_model_len_of(model_config))
         check_tensor_parallel(model_config, config.tensor_parallel_size)
-        tp, parallel = SINGLE, None
+        tp, workers = SINGLE, None
         if config.tensor_parallel_size > 1:  # the other ranks start now, and load their shards alongside ours
-            tp, *parallel = start_workers(config, self.platform.name)
+            tp, workers = start_workers(config, self.platform.name)
         in_use_before = memory.allocated(self.platform)
         self.model, self.model_config, self.model_dir = load_model(
             model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp
@@ -87,8 +87,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
         self.runner = ModelRunner(self.model, 0, config.block_size, self.platform.device)  # the scratch block only
-        if parallel:
-            self.runner = ParallelRunner(self.runner, *parallel)
+        if workers:
+            self.runner = ParallelRunner(self.runner, workers)
         self.memory_split: memory.MemorySplit | None = None  # how device memory was shared out (accelerators)
         weights = memory.allocated(self.platform) - in_use_before  # (and the rope table and the scratch block)
         num_blocks = config.num_kv_blocks or self._blocks_that_fit(weights)

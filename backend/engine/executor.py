@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import tempfile
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,11 +36,20 @@ class RankFailedError(RuntimeError):
     so no further step can run."""
 
 
+@dataclass
+class Workers:
+    """Ranks 1..N-1 as rank 0 sees them."""
+
+    processes: list  # multiprocessing.Process, rank 1 first
+    control: object  # the process group the calls are broadcast on
+    rendezvous_dir: str  # where the ranks met (torch.distributed's file store)
+
+
 class ParallelRunner:
     """Rank 0's ModelRunner, whose model-running calls are made on every rank."""
 
-    def __init__(self, runner: ModelRunner, control, workers: list):
-        self.runner, self._control, self._workers = runner, control, workers
+    def __init__(self, runner: ModelRunner, workers: Workers):
+        self.runner, self.workers = runner, workers
         self._failed = False  # a step failed: the ranks are out of step and cannot be told anything
 
     def __getattr__(self, name: str):
@@ -48,11 +59,11 @@ class ParallelRunner:
 
         def on_every_rank(*args, **kwargs):
             try:
-                _broadcast([name, args, kwargs], self._control)
+                _broadcast([name, args, kwargs], self.workers.control)
                 return value(*args, **kwargs)
             except Exception as e:
                 self._failed = True
-                for worker in self._workers:  # a peer that closed its connection is usually exiting: wait to see it
+                for worker in self.workers.processes:  # a peer that closed its connection is usually exiting: wait to see it
                     worker.join(1)
                 reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
                 raise RankFailedError(f"tensor-parallel {name} failed ({self._describe_workers()}): {reason}") from e
@@ -61,7 +72,7 @@ class ParallelRunner:
 
     def _describe_workers(self) -> str:
         states = [f"rank {rank} " + ("running" if w.is_alive() else f"exited with code {w.exitcode}")
-                  for rank, w in enumerate(self._workers, start=1)]
+                  for rank, w in enumerate(self.workers.processes, start=1)]
         return ", ".join(states)
 
     def shutdown(self) -> None:
@@ -69,31 +80,32 @@ class ParallelRunner:
         a failed step) is killed."""
         if not self._failed:
             try:
-                _broadcast([STOP, (), {}], self._control)
+                _broadcast([STOP, (), {}], self.workers.control)
             except Exception as e:  # a rank died since the last step
                 log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
-        for worker in self._workers:
+        for worker in self.workers.processes:
             worker.join(0 if self._failed else 10)
             if worker.is_alive():
                 worker.kill()
                 worker.join(5)
         if dist.is_initialized():
             dist.destroy_process_group()
+        shutil.rmtree(self.workers.rendezvous_dir, ignore_errors=True)
 
 
-def start_workers(config: EngineConfig, device_type: str) -> tuple[TensorParallel, object, list]:
-    """Spawn ranks 1..N-1 and join them as rank 0: (this rank's group, the control group, the workers)."""
+def start_workers(config: EngineConfig, device_type: str) -> tuple[TensorParallel, Workers]:
+    """Spawn ranks 1..N-1 and join them as rank 0."""
     size = config.tensor_parallel_size
     threads = _share_cpu_threads(device_type, size)
-    rendezvous = os.path.join(tempfile.mkdtemp(prefix="npu-llm-tp-"), "rendezvous")
-    init_method = f"file://{rendezvous}"
+    rendezvous_dir = tempfile.mkdtemp(prefix="npu-llm-tp-")
+    init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited torch threads or device state
-    workers = [context.Process(target=_worker, args=(config, device_type, rank, size, init_method, threads),
-                               name=f"npu-llm-tp{rank}", daemon=True) for rank in range(1, size)]
-    for worker in workers:
-        worker.start()
+    processes = [context.Process(target=_worker, args=(config, device_type, rank, size, init_method, threads),
+                                 name=f"npu-llm-tp{rank}", daemon=True) for rank in range(1, size)]
+    for process in processes:
+        process.start()
     tp = init_tensor_parallel(device_type, 0, size, init_method)
-    return tp, _control_group(device_type), workers
+    return tp, Workers(processes, _control_group(device_type), rendezvous_dir)
 
 
 def _share_cpu_threads(device_type: str, size: int) -> int:

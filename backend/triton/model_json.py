@@ -16,11 +16,10 @@ NO_EFFECT = {
     "enable_log_requests": "npu-llm never logs request contents",
     "trust_remote_code": "only npu-llm's built-in architectures run; no code from the checkpoint is executed",
     "swap_space": "preempted requests are recomputed, never swapped",
-    "disable_custom_all_reduce": "a single device needs no all-reduce",
+    "disable_custom_all_reduce": "tensor parallelism all-reduces with torch.distributed's own collectives",
 }
 # vLLM keys honoured only at one value (the one that is npu-llm's behaviour).
 ONLY = {
-    "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "kv_cache_dtype": "auto",
