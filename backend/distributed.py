@@ -16,6 +16,7 @@ import torch.distributed as dist
 from kernels.timing import scope
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+STARTUP_TIMEOUT = timedelta(minutes=10)  # for every rank to load its shards
 
 
 def timeout() -> timedelta:
@@ -55,8 +56,17 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def init_tensor_parallel(device_type: str, rank: int, size: int, init_method: str) -> TensorParallel:
-    """Join the ranks' process group (every rank calls this with the same size and init_method)."""
-    dist.init_process_group(BACKENDS[device_type], init_method=init_method, rank=rank, world_size=size,
-                            timeout=timeout())
-    return TensorParallel(rank, size, dist.group.WORLD)
+def init_tensor_parallel(device_type: str, rank: int, size: int, init_method: str) -> tuple[TensorParallel, object]:
+    """Join the ranks (every rank calls this with the same size and init_method): this rank's TensorParallel
+    (the model's collectives, on the device's backend) and a gloo group for the steps' broadcasts, both
+    timing out after timeout(). The default group is gloo with a start-up timeout: loading a large model's
+    shards takes longer than any step may."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
+    model_group = dist.new_group(backend=BACKENDS[device_type], timeout=timeout())
+    control = dist.new_group(backend="gloo", timeout=timeout())
+    return TensorParallel(rank, size, model_group), control
+
+
+def wait_until_all_loaded() -> None:
+    """Every rank calls this once its shards are loaded; it returns when all have (or after STARTUP_TIMEOUT)."""
+    dist.barrier()

@@ -102,6 +102,15 @@ def test_a_hung_rank_fails_the_step_after_the_timeout_and_is_stopped(tiny_llama,
 
 
 def test_a_model_that_does_not_shard_evenly_is_refused_before_any_worker_starts(default_model_dir):
+    before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide num_attention_heads \(9\)"):
         LLMEngine(model=str(default_model_dir), tensor_parallel_size=2)  # SmolLM2-135M: 9 heads, 3 KV heads
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("npu-llm-tp")]
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_a_start_that_fails_after_the_workers_started_leaves_none_behind(tiny_llama, default_model_dir):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        LLMEngine(model=str(tiny_llama), tokenizer=str(default_model_dir), dtype="float32", kv_cache_memory_gb=1e-9,
+                  tensor_parallel_size=2)
+    assert set(multiprocessing.active_children()) == before

@@ -211,7 +211,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
                     clear = gr.Button("Clear", elem_id="clear")
             with gr.Column(scale=1):
                 system = gr.Textbox(label="System prompt", value="", lines=3, elem_id="system-prompt")
-                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
+                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature", elem_id="temperature")
                 top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top p")
                 max_tokens = gr.Slider(1, 2048, value=512, step=1, label="Max tokens", elem_id="max-tokens")
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)", elem_id="seed")

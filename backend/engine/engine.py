@@ -80,6 +80,16 @@ class LLMEngine:
         tp, workers = SINGLE, None
         if config.tensor_parallel_size > 1:  # the other ranks start now, and load their shards alongside ours
             tp, workers = start_workers(config, self.platform.name)
+        try:
+            self._start(model_dir, tp, workers)
+        except BaseException:
+            if workers is not None:  # no worker outlives a start that failed
+                workers.stop(graceful=False)
+            raise
+
+    def _start(self, model_dir, tp, workers) -> None:
+        """Load this rank's model, size and allocate the KV cache, build the scheduler, warm up."""
+        config = self.config
         in_use_before = memory.allocated(self.platform)
         self.model, self.model_config, self.model_dir = load_model(
             model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from backend.config import EngineConfig
-from backend.distributed import TensorParallel, init_tensor_parallel, timeout
+from backend.distributed import TensorParallel, init_tensor_parallel, wait_until_all_loaded
 from backend.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,23 @@ class Workers:
     control: object  # the process group the calls are broadcast on
     rendezvous_dir: str  # where the ranks met (torch.distributed's file store)
 
+    def stop(self, graceful: bool) -> None:
+        """Gracefully: told to leave their loop, killed if still running after a grace period. Otherwise
+        (the ranks are out of step, or never got in step) killed at once."""
+        if graceful:
+            try:
+                _broadcast([STOP, (), {}], self.control)
+            except Exception as e:  # a rank died since the last step
+                log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
+        for process in self.processes:
+            process.join(10 if graceful else 0)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+
 
 class ParallelRunner:
     """Rank 0's ModelRunner, whose model-running calls are made on every rank."""
@@ -51,6 +68,7 @@ class ParallelRunner:
     def __init__(self, runner: ModelRunner, workers: Workers):
         self.runner, self.workers = runner, workers
         self._failed = False  # a step failed: the ranks are out of step and cannot be told anything
+        wait_until_all_loaded()
 
     def __getattr__(self, name: str):
         value = getattr(self.runner, name)
@@ -76,21 +94,7 @@ class ParallelRunner:
         return ", ".join(states)
 
     def shutdown(self) -> None:
-        """The workers leave their loop and exit; any still running after a grace period (or at once, after
-        a failed step) is killed."""
-        if not self._failed:
-            try:
-                _broadcast([STOP, (), {}], self.workers.control)
-            except Exception as e:  # a rank died since the last step
-                log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
-        for worker in self.workers.processes:
-            worker.join(0 if self._failed else 10)
-            if worker.is_alive():
-                worker.kill()
-                worker.join(5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        shutil.rmtree(self.workers.rendezvous_dir, ignore_errors=True)
+        self.workers.stop(graceful=not self._failed)
 
 
 def start_workers(config: EngineConfig, device_type: str) -> tuple[TensorParallel, Workers]:
@@ -104,8 +108,8 @@ def start_workers(config: EngineConfig, device_type: str) -> tuple[TensorParalle
                                  name=f"npu-llm-tp{rank}", daemon=True) for rank in range(1, size)]
     for process in processes:
         process.start()
-    tp = init_tensor_parallel(device_type, 0, size, init_method)
-    return tp, Workers(processes, _control_group(device_type), rendezvous_dir)
+    tp, control = init_tensor_parallel(device_type, 0, size, init_method)
+    return tp, Workers(processes, control, rendezvous_dir)
 
 
 def _share_cpu_threads(device_type: str, size: int) -> int:
@@ -113,13 +117,6 @@ def _share_cpu_threads(device_type: str, size: int) -> int:
     threads = max(1, torch.get_num_threads() // size) if device_type == "cpu" else torch.get_num_threads()
     torch.set_num_threads(threads)
     return threads
-
-
-def _control_group(device_type: str):
-    """The group the steps are broadcast on: gloo, whose objects travel through CPU memory."""
-    if device_type == "cpu":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo", timeout=timeout())
 
 
 def _broadcast(message: list, control) -> list:
@@ -137,11 +134,11 @@ def _worker(config: EngineConfig, device_type: str, rank: int, size: int, init_m
     torch.manual_seed(config.seed)
     torch.set_num_threads(threads)
     platform = resolve_platform(device_type if device_type == "cpu" else f"{device_type}:{rank}")
-    tp = init_tensor_parallel(device_type, rank, size, init_method)
-    control = _control_group(device_type)
+    tp, control = init_tensor_parallel(device_type, rank, size, init_method)
     model, _, _ = load_model(resolve_model(config.model), ops_for(platform.name), platform.device, config.dtype,
                              config.max_model_len, tp)
     runner = ModelRunner(model, 0, config.block_size, platform.device)
+    wait_until_all_loaded()
     with torch.inference_mode():
         while True:
             name, args, kwargs = _broadcast([None, None, None], control)
