@@ -83,7 +83,8 @@ class ChatBackend:
                         entry["arguments"] += call.function.arguments or ""
                     chunks += 1  # one per engine step: a token, or a few that complete a character
                     yield _reply(text, calls), _stats(start, first, chunks, streaming=True)
-            yield _reply(text, calls), _stats(start, first, tokens or chunks, streaming=False, prompt_tokens=prompt_tokens)
+            yield _reply(text, calls), _stats(start, first, tokens or chunks, streaming=False,
+                                              prompt_tokens=prompt_tokens)
         finally:
             await stream.close()  # on Stop too: closing the connection cancels the request on the server
 

@@ -97,7 +97,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
         self.runner = ModelRunner(self.model, 0, config.block_size, self.platform.device)  # the scratch block only
-        if workers:
+        if workers is not None:
             self.runner = ParallelRunner(self.runner, workers)
         self.memory_split: memory.MemorySplit | None = None  # how device memory was shared out (accelerators)
         weights = memory.allocated(self.platform) - in_use_before  # (and the rope table and the scratch block)
@@ -127,7 +127,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if there are any."""
-        if hasattr(self.runner, "shutdown"):
+        if isinstance(self.runner, ParallelRunner):
             self.runner.shutdown()
 
     @torch.inference_mode()

@@ -81,7 +81,7 @@ class ParallelRunner:
                 return value(*args, **kwargs)
             except Exception as e:
                 self._failed = True
-                for worker in self.workers.processes:  # a peer that closed its connection is usually exiting: wait to see it
+                for worker in self.workers.processes:  # a peer that closed its connection is exiting: see it go
                     worker.join(1)
                 reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
                 raise RankFailedError(f"tensor-parallel {name} failed ({self._describe_workers()}): {reason}") from e
