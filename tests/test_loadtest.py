@@ -1,4 +1,4 @@
-"""Short real loads (4 users, ~8 s) with locust against the real stack, one per target, and their reports."""
+"""Short real loads (4 users, ~5 s) with locust against the real stack, one per target, and their reports."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ def test_short_load_reports_consistent_figures(target, triton_server, gateway, t
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--target", target, "--host", host, "--users", "4",
-         "--spawn-rate", "4", "--run-time", "8s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
+         "--spawn-rate", "4", "--run-time", "5s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
          "8:24", "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -66,13 +66,13 @@ def test_a_dataset_load_sends_its_conversations(gateway, default_model_dir, tmp_
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--target", "gateway", "--host", gateway, "--users", "2",
-         "--spawn-rate", "2", "--run-time", "6s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "4:8",
+         "--spawn-rate", "2", "--run-time", "5s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "1:2",
          "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     tokenizer = load_tokenizer(default_model_dir)
     lengths = {len(chat_prompt_ids(tokenizer, c)) for c in CONVERSATIONS}
-    assert len(records) >= 4 and not [r for r in records if r["error"]]
+    assert len(records) >= 8 and not [r for r in records if r["error"]]  # short answers: many requests
     assert {r["prompt_tokens"] for r in records} == lengths  # each conversation, and nothing else
-    assert all(1 <= r["output_tokens"] <= 8 for r in records)  # EOS is honoured for real conversations
+    assert all(1 <= r["output_tokens"] <= 2 for r in records)
