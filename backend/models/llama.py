@@ -111,8 +111,8 @@ class VocabParallelEmbedding(nn.Embedding):
             return super().forward(input_ids)
         local = input_ids - self.start
         held = (local >= 0) & (local < self.num_embeddings)
-        x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(x)
+        rows = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.tp.all_reduce(rows * held.unsqueeze(-1).to(rows.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -140,12 +140,11 @@ def kv_heads_per_rank(config, tp: TensorParallel) -> int:
 
 
 def check_tensor_parallel(config, size: int) -> None:
-    """Whether the model shards over `size` ranks (a clear error before any worker starts, if not)."""
-    tp = TensorParallel(0, size)
-    tp.split(config.num_attention_heads, "num_attention_heads")
-    kv_heads_per_rank(config, tp)
-    tp.split(config.intermediate_size, "intermediate_size")
-    tp.split(config.vocab_size, "vocab_size")
+    """Whether the model shards over `size` ranks, before any worker starts: its modules are built on the meta
+    device with that split, so their own checks raise (no tensor is allocated)."""
+    if size > 1:
+        with torch.device("meta"):
+            LlamaForCausalLM(config, ops=None, tp=TensorParallel(0, size))
 
 
 class Attention(nn.Module):
