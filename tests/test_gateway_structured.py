@@ -189,6 +189,9 @@ def test_a_conversation_sends_the_tool_result_back(client):
      'structured_outputs.json: Unsupported type "nonsense"'),
     ({"extra": {"guided_regex": "(unclosed"}}, "structured_outputs.regex: Regex parsing error"),
     ({"extra": {"logit_bias": {"42": 5}}}, "logit_bias is not supported"),
+    ({"extra": {"reasoning_effort": "high"}}, "reasoning_effort is not supported"),
+    ({"extra": {"modalities": ["text", "audio"]}}, 'only ["text"] is supported'),
+    ({"extra": {"chat_template_kwargs": {"enable_thinking": True}}}, "chat_template_kwargs: unknown field"),
     ({"extra": {"guided_regex": "a", "guided_choice": ["a"]}}, "give one of guided_regex, guided_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
 ])
@@ -227,3 +230,42 @@ def _chat(client, stream: bool, **kwargs) -> dict:
     return {"content": choice.message.content, "tool_calls": choice.message.tool_calls,
             "finish_reason": choice.finish_reason, "logprobs": choice.logprobs}
 
+
+
+def test_none_and_one_call_at_a_time_are_honoured(client):
+    """tool_choice none: no call, and the tools are left out of the prompt (as vLLM does); parallel_tool_calls
+    false with required: exactly one call, though the model is asked for two."""
+    none = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=12)
+    plain = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=12)
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    both = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
+    for parallel, most in ((False, 1), (True, None)):
+        reply = client.chat.completions.create(model=MODEL, messages=both, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=parallel, temperature=0, max_tokens=160)
+        calls = reply.choices[0].message.tool_calls
+        assert calls and (most is None or len(calls) == most)
+        for call in calls:
+            _call_arguments(call, next(t for t in TOOLS if t["function"]["name"] == call.function.name))
+
+
+def test_vllm_guided_json_and_grammar_extras(client):
+    schema = SCHEMAS[2]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}],
+                                           temperature=0, max_tokens=30, extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    grammar = 'root ::= "The answer is " [0-9] [0-9]? "."'
+    reply = client.completions.create(model=MODEL, prompt="Six times seven:", temperature=1.0, seed=4, n=3,
+                                      max_tokens=12, extra_body={"guided_grammar": grammar})
+    assert all(re.fullmatch(r"The answer is [0-9][0-9]?\.", c.text) for c in reply.choices)
+
+
+def test_completions_refuse_tools_and_both_endpoints_accept_openai_metadata(client):
+    with pytest.raises(openai.BadRequestError, match="tools: unknown field"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"tools": TOOLS})
+    metadata = {"user": "u-1", "metadata": {"team": "a"}, "store": False, "service_tier": "auto"}
+    chat = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2, extra_body=metadata)
+    text = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=metadata)
+    assert chat.usage.completion_tokens >= 1 and text.usage.completion_tokens >= 1

@@ -3,8 +3,11 @@
 The default model (SmolLM2-135M) in fp32; outputs are checked against the spec itself (jsonschema, re,
 the choice list), never against fixed strings.
 """
+import gc
 import json
 import re
+import threading
+import weakref
 
 import jsonschema
 import pytest
@@ -155,3 +158,53 @@ def test_sampled_json_cannot_loop_on_whitespace(llm):
     for completion in out.outputs:
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), pet)
+
+
+def test_a_compiling_grammar_holds_back_only_its_own_request(llm, monkeypatch):
+    """While a spec compiles (off the step loop), its request waits and the others decode; a second request with the
+    same spec reuses the compilation."""
+    engine, structured = llm.engine, llm.engine.structured_outputs
+    gate, compiled = threading.Event(), []
+    real_compile = structured._compile
+
+    def gated_compile(spec):  # the real compilation, once the test lets it start
+        assert gate.wait(30)
+        compiled.append(spec.key)
+        return real_compile(spec)
+
+    monkeypatch.setattr(structured, "_compile", gated_compile)
+    params = SamplingParams(temperature=0, max_tokens=80,
+                            structured_outputs={"json": {**PERSON, "title": "a spec no other test compiled"}})
+    engine.add_request("free", "Count: one, two,", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request("json-1", _chat_ids(llm, ASK), params)
+    outputs = {}
+    for _ in range(8):
+        for o in engine.step():
+            outputs[o.request_id] = o
+    assert outputs["free"].finished and len(outputs["free"].outputs[0].token_ids) == 8
+    assert "json-1" not in outputs and engine.stats().num_waiting == 1  # held until its grammar is ready
+    engine.add_request("json-2", _chat_ids(llm, ASK), params)
+    gate.set()
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    for request_id in ("json-1", "json-2"):
+        jsonschema.validate(json.loads(outputs[request_id].outputs[0].text), PERSON)
+    assert compiled == [params.structured_outputs.key]  # one compilation for both
+
+
+def test_stop_strings_and_abort_end_a_constrained_request_and_release_its_matcher(llm):
+    [out] = llm.generate("Dessert:", SamplingParams(temperature=0, max_tokens=12, stop=["pie"],
+                                                     structured_outputs={"choice": ["apple pie today"]}))
+    assert out.outputs[0].text == "apple " and out.outputs[0].finish_reason == "stop"
+    engine = llm.engine
+    engine.add_request("cut", _chat_ids(llm, ASK), json_params(temperature=0))
+    while not any(o.outputs[0].token_ids for o in engine.step() if o.request_id == "cut"):
+        pass
+    [request] = engine.scheduler.running
+    matcher = weakref.ref(request.grammar.matcher)
+    engine.abort_request("cut")
+    engine.step()
+    del request
+    gc.collect()
+    assert matcher() is None  # nothing holds the aborted request's matcher
+    assert engine.stats().kv_cache_usage == 0 and not engine.has_unfinished_requests()

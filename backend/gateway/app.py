@@ -129,6 +129,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"] if not _is_union_branch(p))
             message = first["msg"].removeprefix("Value error, ")
+            if first["type"] == "extra_forbidden":
+                message = "unknown field (this server refuses what it would not honour)"
             raise ApiError(400, f"{param}: {message}" if param else message, param=param or None) from None
         if parsed.model != settings.served_model_name:
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves "

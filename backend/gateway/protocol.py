@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from backend.engine.sampling_params import INT64_MAX, INT64_MIN, StructuredOutputsParams, TokenId
 
 # Fields a client may send that this server cannot honour: refused by name (400), never silently dropped.
-# Metadata fields that change nothing about the output (user, store, metadata, service_tier) are ignored.
 UNSUPPORTED = {
     "logit_bias": "logit_bias is not supported",
     "functions": "functions (deprecated) is not supported; use tools",
@@ -20,13 +19,16 @@ UNSUPPORTED = {
     "best_of": "best_of is not supported; use n",
     "web_search_options": "web search is not supported",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (xgrammar has no such option)",
+    "reasoning_effort": "reasoning_effort is not supported: the served models do not reason before answering",
+    "verbosity": "verbosity is not supported",
 }
+# OpenAI's metadata fields: they change nothing about the output, so they are accepted and have no effect.
+METADATA = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as vLLM does (clients send metadata such as user); the fields this server cannot
-    # honour are refused by name (UNSUPPORTED). NaN and Infinity (which Python's JSON parser accepts) are refused:
-    # no parameter means anything with them.
+    # Unknown fields inside a request's parts (messages, tools) are ignored. NaN and Infinity (which Python's JSON
+    # parser accepts) are refused: no parameter means anything with them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
@@ -60,6 +62,11 @@ class ResponseFormat(OpenAIModel):
 
 
 class SamplingFields(OpenAIModel):
+    """A request's top level: a field this server does not know is refused (400, "unknown field"), as are the
+    fields it cannot honour (UNSUPPORTED), so a client never gets output that silently ignored what it asked.
+    OpenAI's metadata fields (METADATA) are accepted and change nothing."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -88,12 +95,15 @@ class SamplingFields(OpenAIModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data):
-        if isinstance(data, dict):
-            for name, why in UNSUPPORTED.items():
-                value = data.get(name)
-                if value not in (None, {}, []) and not (name == "best_of" and value == 1):  # (empty: nothing asked)
-                    raise ValueError(why)
-        return data
+        if not isinstance(data, dict):
+            return data
+        for name, why in UNSUPPORTED.items():
+            value = data.get(name)
+            if value not in (None, {}, []) and not (name == "best_of" and value == 1):  # (empty: nothing asked)
+                raise ValueError(why)
+        if data.get("modalities") not in (None, ["text"]):
+            raise ValueError("modalities: only [\"text\"] is supported")
+        return {key: value for key, value in data.items() if key not in METADATA and key != "modalities"}
 
     @model_validator(mode="after")
     def _one_constraint(self):
