@@ -245,6 +245,34 @@ def test_npu_attention_matches_torch_ref(fake_npu, case):
 
 
 @pytest.mark.slow
+def test_tensor_parallel_on_the_npu_talks_hccl_and_equals_the_cpu_path(fake_npu, monkeypatch, tmp_path,
+                                                                      default_model_dir):
+    """TP=2 on two (fake) NPUs: rank 1 on npu:1 in its own process, the model's collectives on the hccl backend
+    (which refuses host tensors), every op's contract checked on both ranks; the tokens are the CPU path's."""
+    from backend import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+
+    monkeypatch.setenv("FAKE_NPU_DEVICES", "2")
+    monkeypatch.setenv("NPU_LLM_CPU_KERNELS", "0")  # the CPU path: the portable kernels, the same math
+    args = dict(model=str(make_tiny_model("llama", tmp_path / "llama")), tokenizer=str(default_model_dir),
+                dtype="bfloat16", block_size=128, num_kv_blocks=8, max_num_batched_tokens=6, max_num_seqs=1,
+                tensor_parallel_size=2)
+    prompts = [{"prompt_token_ids": list(range(1 + i, 12 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for device in ("npu", "cpu"):
+        llm = LLM(device=device, **args)
+        try:
+            outputs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.engine.shutdown()
+        if device == "npu":
+            assert llm.engine.platform.device == torch.device("npu", 0)
+            assert fake_npu.calls.get("hccl.allreduce", 0) > 0 and fake_npu.calls.get("hccl.allgather", 0) > 0
+    assert outputs["npu"] == outputs["cpu"] and all(len(t) == 16 for t in outputs["npu"])
+
+
+@pytest.mark.slow
 def test_engine_on_npu_equals_cpu_path(fake_npu, monkeypatch):
     from backend import LLM, SamplingParams
 

@@ -1,7 +1,8 @@
-"""The fake torch_npu's device: tensors on "npu:0" whose data lives in host memory.
+"""The fake torch_npu's device: tensors on "npu:N" whose data lives in host memory.
 
-install() renames PrivateUse1 to "npu". NpuTensor is a wrapper subclass whose .device is
-npu:0 while its data lives in an inner CPU tensor (``t._inner``); __torch_dispatch__ runs
+install() renames PrivateUse1 to "npu". NpuTensor is a wrapper subclass whose .device is the
+process's current NPU (npu:0 unless set_current() chose another, as torch.npu.set_device does)
+while its data lives in an inner CPU tensor (``t._inner``); __torch_dispatch__ runs
 every aten op on the inner tensors and refuses to mix device and (non-scalar) host tensors
 in one op, as torch does for a real device. Factories with device="npu" reach PrivateUse1
 kernels registered here that run them on the CPU. Device memory is accounted per storage,
@@ -14,11 +15,11 @@ import weakref
 
 import torch
 
-__all__ = ["install", "NpuTensor", "inner", "memory"]
+__all__ = ["install", "set_current", "NpuTensor", "inner", "memory"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
-_NPU = None  # torch.device("npu", 0) once installed
+_NPU = None  # the current device, torch.device("npu", 0) once installed
 _LIBS = None  # keeps the registrations alive
 _MIXED_OK = {aten.copy_.default, aten._to_copy.default}  # may mix npu and cpu
 _INDEX_OPS = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
@@ -38,7 +39,7 @@ class NpuTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         s = repr(self._inner)
-        return s[:-1] + ", device='npu:0')"
+        return s[:-1] + f", device='{self.device}')"
 
     def tolist(self):  # Tensor.tolist refuses subclasses
         return self._inner.tolist()
@@ -199,3 +200,9 @@ def install(backend_module) -> None:
     for name, fn in _PER_OP.items():
         op = getattr(getattr(aten, name.split(".")[0]), name.split(".")[1])
         _LIBS[1].impl(name.replace(".default", ""), fn or _kernel(op), "PrivateUse1")
+
+
+def set_current(index: int) -> None:
+    """The device new tensors are placed on (one device per process, as every npu-llm rank uses)."""
+    global _NPU
+    _NPU = torch.device("npu", index)

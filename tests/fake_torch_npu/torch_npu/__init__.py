@@ -4,11 +4,13 @@ It implements the ops kernels/npu.py calls with kernels/torch_ref.py semantics, 
 their arguments the way the real ops document them (docs/npu.md): keyword names,
 fp16/bf16 only, int32 slot indices and block tables, CPU int32 lengths, contiguous outputs,
 block sizes, and the exact causal masks vllm-ascend builds. A wrong call raises, as the real
-op would fail. Device tensors are on "npu:0" (fake_npu_device.py: host memory underneath, but
+op would fail. Device tensors are on "npu:N" (fake_npu_device.py: host memory underneath, but
 placed apart from host tensors, so an argument on the wrong side of the bus is refused).
-Graph capture and replay (torch.npu.NPUGraph, task-group updates) live in _graphs.py.
+Graph capture and replay (torch.npu.NPUGraph, task-group updates) live in _graphs.py; the
+torch.distributed backend "hccl" (collectives between ranks, over gloo underneath) in _hccl.py.
 
-The host it plays has CANN NNAL and an Ascend910B3 unless FAKE_NPU_NNAL=0 or FAKE_NPU_SOC say otherwise.
+The host it plays has CANN NNAL and FAKE_NPU_DEVICES (1) Ascend910B3 chips unless FAKE_NPU_NNAL=0 or
+FAKE_NPU_SOC say otherwise.
 Only tests put this package on sys.path (tests/test_npu_contract.py).
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from kernels import torch_ref
 from kernels.metadata import AttentionMetadata, cdiv
 
-from . import _graphs
+from . import _graphs, _hccl
 from . import profiler
 from .op_plugin.atb import _atb_ops
 
@@ -242,9 +244,18 @@ def npu_fusion_attention(*args, **kwargs):
 
 npu = types.ModuleType("torch.npu")
 npu.is_available = lambda: True
-npu.device_count = lambda: 1
-npu.current_device = lambda: 0
-npu.set_device = lambda device: None
+npu.device_count = lambda: int(os.environ.get("FAKE_NPU_DEVICES", "1"))
+
+
+def _set_device(device) -> None:
+    index = torch.device(device).index if not isinstance(device, int) else device
+    _require(index is not None and 0 <= index < npu.device_count(),
+             f"Invalid device ID {index}: this host has {npu.device_count()} NPU(s)")  # (aclrtSetDevice's refusal)
+    fake_npu_device.set_current(index)
+
+
+npu.set_device = _set_device
+npu.current_device = lambda: fake_npu_device._NPU.index if fake_npu_device._NPU is not None else 0
 npu.synchronize = lambda device=None: None
 npu.empty_cache = fake_npu_device.memory.empty_cache
 # The chip's name, as aclrtGetSocName reports it (FAKE_NPU_SOC to play another chip).
@@ -274,6 +285,7 @@ npu._is_in_bad_fork = lambda: False
 npu.manual_seed = npu.manual_seed_all = lambda seed: None
 fake_npu_device.install(npu)
 torch.npu = npu
+_hccl.register()
 
 
 def _autoload() -> None:
