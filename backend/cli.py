@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the model repository with NVIDIA Triton")
     from backend.serve import add_serve_args
+    from backend.triton.launcher import DEFAULT_REPOSITORY
 
     add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="check the NPU/CUDA/Triton/model setup")
     doctor.add_argument("--model", default=DEFAULT_MODEL)
+    doctor.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY),
+                        help="whose llm model's layout (data and tensor parallel) to check")
+    doctor.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="a model.json key, as serve takes it")
     doctor.set_defaults(func=_cmd_doctor)
 
     verify = commands.add_parser("verify", help="check that the device computes what the CPU computes (fp32 reference)")

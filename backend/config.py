@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, fields
 from typing import Any
@@ -38,7 +39,7 @@ class EngineConfig:
     seed: int = 0
     profile_dir: str | None = None  # where start_profile / stop_profile write traces and step breakdowns
     tensor_parallel_size: int = 1  # ranks the model is sharded over (README: Tensor parallel)
-    distributed_executor_backend: str = "mp"  # how the other ranks start: local processes
+    distributed_executor_backend: str = "mp"  # how the other ranks start: local processes, or "ray" actors
 
     def __post_init__(self):
         self._check()
@@ -75,8 +76,8 @@ class EngineConfig:
             fail("kv_cache_memory_gb", "must be positive")
         if self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "must be at least 1")
-        if self.distributed_executor_backend != "mp":
-            fail("distributed_executor_backend", "must be 'mp' (local worker processes)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            fail("distributed_executor_backend", "must be 'mp' (local worker processes) or 'ray' (Ray actors)")
 
     def finalize(self, platform: str, model_max_len: int) -> None:
         """Fill the defaults that depend on the device and the model, and check what they constrain."""
@@ -115,7 +116,25 @@ class EngineConfig:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             choices = {"device": None, "dtype": DTYPE_CHOICES}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices)
+        parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                            help="any engine argument, as `serve` takes it (e.g. tensor_parallel_size=2)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        """The flags, then --engine-arg KEY=VALUE pairs over them."""
+        flags = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls.from_dict({**flags, **parse_engine_args(getattr(args, "engine_arg", None) or [])})
+
+
+def parse_engine_args(pairs: list[str]) -> dict:
+    """KEY=VALUE strings; VALUE is read as JSON where it parses (numbers, booleans), else as a string."""
+    values = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            values[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[key.replace("-", "_")] = raw
+    return values

@@ -11,6 +11,7 @@ import ctypes.util
 import glob
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -194,8 +195,43 @@ def check_model(model: str) -> Check:
     return Check("model files", OK, str(folder))
 
 
-def run_checks(model: str) -> list[Check]:
-    npu_checks, _ = check_torch_npu()
+def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check:
+    """What the repository's llm model runs as (data_parallel_size engines x tensor_parallel_size ranks), and
+    whether this machine has the devices for it."""
+    import torch
+
+    from backend.triton.model_json import parse_model_json
+
+    model_json = repository / "llm" / "1" / "model.json"
+    try:
+        served = parse_model_json({**(json.loads(model_json.read_text()) if model_json.exists() else {}),
+                                   **engine_args})
+    except (ValueError, json.JSONDecodeError) as e:
+        return Check("serving layout", FAIL, str(e)[:160], f"fix {model_json}")
+    device = served.config.device.split(":")[0]
+    if device == "auto":
+        device = "npu" if npu_usable else "cuda" if torch.cuda.is_available() else "cpu"
+    ranks = served.data_parallel_size * served.config.tensor_parallel_size
+    first = int(served.config.device.partition(":")[2] or 0)
+    if device == "cpu":
+        cores = os.cpu_count() or 1
+        status = OK if ranks <= cores else WARN
+        return Check("serving layout", status, f"{served.layout} = {ranks} rank{'s' * (ranks > 1)} on the cpu ({cores} cores)",
+                     "fewer ranks than cores, or they only wait for each other")
+    visible = torch.npu.device_count() if device == "npu" and npu_usable else (
+        torch.cuda.device_count() if device == "cuda" else 0)
+    detail = f"{served.layout} = {ranks} {device} device{'s' * (ranks > 1)} from {device}:{first}; {visible} visible"
+    if first + ranks > visible:
+        variable = "ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES"
+        return Check("serving layout", FAIL, detail,
+                     f"lower data_parallel_size or tensor_parallel_size, or make more devices visible ({variable})")
+    return Check("serving layout", OK, detail)
+
+
+def run_checks(model: str, repository: Path | None = None, engine_args: dict | None = None) -> list[Check]:
+    from backend.triton.launcher import DEFAULT_REPOSITORY
+
+    npu_checks, npu_usable = check_torch_npu()
     return [
         check_numpy(),
         check_npu_smi(),
@@ -205,6 +241,7 @@ def run_checks(model: str) -> list[Check]:
         check_cuda(),
         check_tritonserver(),
         check_model(model),
+        check_layout(repository or DEFAULT_REPOSITORY, engine_args or {}, npu_usable),
     ]
 
 
@@ -219,7 +256,9 @@ def render(checks: list[Check]) -> str:
 
 
 def doctor(args) -> int:
-    checks = run_checks(args.model)
+    from backend.config import parse_engine_args
+
+    checks = run_checks(args.model, Path(args.model_repository), parse_engine_args(args.engine_arg or []))
     print(render(checks), flush=True)
     failed = [c for c in checks if c.status == FAIL]
     print(f"\n{len(failed)} failed, {sum(c.status == WARN for c in checks)} warnings")

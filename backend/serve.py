@@ -13,9 +13,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from backend.config import EngineConfig
+from backend.config import parse_engine_args
 from backend.models.registry import resolve_model
-from backend.triton.model_json import parse_model_json
+from backend.triton.model_json import ModelJson, parse_model_json
 from backend.triton.launcher import (
     DEFAULT_REPOSITORY,
     LaunchError,
@@ -28,20 +28,6 @@ from backend.triton.launcher import (
 READY_TIMEOUT_S = 600
 # After SIGTERM or Ctrl-C: how long Triton gets to abort what is in flight and exit before it is killed.
 SHUTDOWN_GRACE_S = 12.0
-
-
-def parse_engine_args(pairs: list[str]) -> dict:
-    """KEY=VALUE strings; VALUE is read as JSON where it parses (numbers, booleans), else as a string."""
-    values = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--engine-arg expects KEY=VALUE, got {pair!r}")
-        try:
-            values[key.replace("-", "_")] = json.loads(raw)
-        except json.JSONDecodeError:
-            values[key.replace("-", "_")] = raw
-    return values
 
 
 def check_port_free(port: int, name: str) -> None:
@@ -113,24 +99,24 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = SHUTDOWN_GRAC
     process.wait()
 
 
-def checked_engine_args(args) -> tuple[Path, dict, EngineConfig]:
-    """(repository, engine-arg overrides, the resulting config), failing here in one line rather than inside Triton."""
+def checked_engine_args(args) -> tuple[Path, dict, ModelJson]:
+    """(repository, engine-arg overrides, what the llm model runs as), failing here in one line rather than inside
+    Triton."""
     repository = Path(args.model_repository).resolve()
     engine_args = parse_engine_args(args.engine_arg or [])
     if args.model:
         engine_args["model"] = args.model
     # every model's model.json, as the run copy will have it (llm/1 first: its config is the one printed)
     found = sorted(repository.glob("*/[0-9]*/model.json"), key=lambda p: p.parts[-3:] != ("llm", "1", "model.json"))
-    configs = [parse_model_json({**json.loads(p.read_text()), **engine_args}).config for p in found]
-    configs = configs or [parse_model_json(engine_args).config]
-    for config in configs:
-        resolve_model(config.model)
-    config = configs[0]
-    return repository, engine_args, config
+    models = [parse_model_json({**json.loads(p.read_text()), **engine_args}) for p in found]
+    models = models or [parse_model_json(engine_args)]
+    for model in models:
+        resolve_model(model.config.model)
+    return repository, engine_args, models[0]
 
 
 def serve(args) -> int:
-    repository, engine_args, config = checked_engine_args(args)
+    repository, engine_args, model = checked_engine_args(args)
 
     # Its own session, so that stopping it can take its python stub along (stop_process_group).
     process, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
@@ -142,7 +128,7 @@ def serve(args) -> int:
         wait_ready(args.http_port, process, stop=stop, host=args.triton_host)
         if not stop.is_set():
             shown = "localhost" if args.triton_host == "127.0.0.1" else args.triton_host
-            print(f"npu-llm: Triton is ready ({config.model})\n"
+            print(f"npu-llm: Triton is ready ({model.config.model}, {model.layout})\n"
                   f"  HTTP     http://{shown}:{args.http_port}/v2/models/llm/generate_stream\n"
                   f"  gRPC     {shown}:{args.grpc_port}\n"
                   f"  metrics  http://{shown}:{args.metrics_port}/metrics", flush=True)

@@ -22,9 +22,10 @@ def _spawn(*args: str) -> subprocess.Popen:
 
 @contextlib.contextmanager
 def running_stack(args, with_ui: bool = True, stop: threading.Event | None = None):
-    """Triton + gateway (+ UI) on the ports in args; yields (children, config); stops them all on exit.
+    """Triton + gateway (+ UI) on the ports in args; yields (children, what llm runs as: ModelJson); stops them
+    all on exit.
     A set `stop` cuts the start short (the caller sees it set)."""
-    repository, engine_args, config = checked_engine_args(args)
+    repository, engine_args, model = checked_engine_args(args)
     children: list[subprocess.Popen] = []
     work_dir = None
     try:
@@ -33,8 +34,8 @@ def running_stack(args, with_ui: bool = True, stop: threading.Event | None = Non
         children.append(triton)
         wait_ready(args.http_port, triton, host=args.triton_host, stop=stop)
         if not (stop and stop.is_set()):
-            children += _start_front(args, config, with_ui)
-        yield children, config
+            children += _start_front(args, model.config, with_ui)
+        yield children, model
     finally:
         for child in reversed(children):
             stop_process_group(child)
@@ -66,11 +67,11 @@ def up(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with running_stack(args, stop=stop) as (children, config):
+    with running_stack(args, stop=stop) as (children, model):
         if stop.is_set():
             return 130
         triton = client_host(args.triton_host)
-        print(f"npu-llm is up ({config.model}):\n"
+        print(f"npu-llm is up ({model.config.model}, {model.layout}):\n"
               f"  chat UI      http://{args.host}:{args.ui_port}\n"
               f"  OpenAI API   http://{args.host}:{args.gateway_port}/v1\n"
               f"  Triton       http://{triton}:{args.http_port} (gRPC {triton}:{args.grpc_port}, "

@@ -102,14 +102,17 @@ def rss_by_process(processes: dict[str, psutil.Process]) -> dict[str, int]:
 
 
 def engine_gauges(metrics_url: str) -> dict:
+    """Requests running and waiting over all engines (data parallel: one per Triton instance), and the fullest
+    engine's KV-cache usage."""
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    values = {}
+    values: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values.setdefault(sample.name, sample.value)
-    return {"running": values.get("vllm:num_requests_running", float("nan")),
-            "waiting": values.get("vllm:num_requests_waiting", float("nan")),
-            "kv_usage": values.get("vllm:kv_cache_usage_perc", float("nan"))}
+            values.setdefault(sample.name, []).append(sample.value)
+    nan = [float("nan")]
+    return {"running": sum(values.get("vllm:num_requests_running", nan)),
+            "waiting": sum(values.get("vllm:num_requests_waiting", nan)),
+            "kv_usage": max(values.get("vllm:kv_cache_usage_perc", nan))}
 
 
 def verdict(monitor: SoakMonitor, summary: dict, after: dict, limits: SoakLimits) -> dict:

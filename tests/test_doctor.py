@@ -25,6 +25,7 @@ def test_cpu_machine_passes_with_warnings():
     for name in ("npu-smi info", "torch_npu", "NPU device files"):
         assert " WARN " in _row(run.stdout, name), name
     assert "0 failed" in run.stdout
+    assert " OK " in _row(run.stdout, "serving layout") and "1 engine x TP 1 = 1 rank on the cpu" in run.stdout
 
 
 def test_missing_model_fails_with_a_fix():
@@ -45,11 +46,14 @@ def test_with_torch_npu_installed(tmp_path):
     assert " OK " in _row(ready.stdout, "NPU graph mode")
     assert " OK " in _row(ready.stdout, "ATB ops (CANN NNAL)") and "Ascend910B3" in _row(ready.stdout, "NPU chip")
     assert " INFO " in _row(ready.stdout, "one rope table per process")
-    broken = _doctor(env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann), "FAKE_NPU_NNAL": "0",
+    assert " OK " in _row(ready.stdout, "serving layout") and "1 npu device from npu:0; 1 visible" in ready.stdout
+    broken = _doctor("--engine-arg", "data_parallel_size=2", env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann), "FAKE_NPU_NNAL": "0",
                           "FAKE_NPU_SOC": "Ascend310P3"})
     assert broken.returncode == 1
     assert " FAIL " in _row(broken.stdout, "ATB ops (CANN NNAL)") and "fix: install CANN's NNAL" in broken.stdout
     assert " FAIL " in _row(broken.stdout, "NPU chip") and "fix: serve on Atlas A2/A3" in broken.stdout
+    assert " FAIL " in _row(broken.stdout, "serving layout") and "2 engines x TP 1 = 2 npu devices" in broken.stdout
+    assert "make more devices visible (ASCEND_RT_VISIBLE_DEVICES)" in broken.stdout
     env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")}
     no_cann = subprocess.run([sys.executable, "-m", "backend.cli", "doctor"], capture_output=True, text=True,
                              timeout=180, env={**env, "PYTHONPATH": pythonpath})

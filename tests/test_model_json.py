@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from backend.triton.instances import engine_config, instance_place, with_instance_count
 from backend.triton.model_json import parse_model_json
 
 
@@ -31,3 +32,24 @@ def test_what_cannot_be_honoured_fails_the_load_by_name():
         parse_model_json({"model": "m", "disable_log_stats": "false"})
     with pytest.raises(ValueError, match="max_num_seqs"):  # our own checks still apply
         parse_model_json({"model": "m", "max_num_seqs": 0})
+
+
+def test_data_parallel_engines_and_their_instances():
+    """data_parallel_size engines, one per Triton instance, each on its own tensor_parallel_size devices."""
+    parsed = parse_model_json({"model": "m", "data_parallel_size": 2, "tensor_parallel_size": 4, "device": "npu:0"})
+    assert parsed.data_parallel_size == 2 and parsed.layout == "2 engines x TP 4"
+    for bad in (0, "2", True):
+        with pytest.raises(ValueError, match=f"data_parallel_size={bad!r}"):
+            parse_model_json({"model": "m", "data_parallel_size": bad})
+    # Triton's instance names: "<group>_<k>", a group named "<model>_<group index>" unless it has a name
+    groups = [{"count": 2, "kind": "KIND_CPU"}, {"name": "spare", "count": 1}]
+    assert [instance_place(n, "llm", groups) for n in ("llm_0_0", "llm_0_1", "spare_0")] == [(0, 3), (1, 3), (2, 3)]
+    with pytest.raises(ValueError, match="llm_0_2"):
+        instance_place("llm_0_2", "llm", groups)
+    assert [engine_config(parsed.config, i, "npu").device for i in (0, 1)] == ["npu:0", "npu:4"]
+    assert engine_config(parsed.config, 1, "cpu").device == "npu:0"  # (cpu: every engine on the cpu)
+    # `npu-llm serve` writes the count into config.pbtxt's instance group
+    config = 'name: "llm"\ninstance_group [\n  { count: 1, kind: KIND_GPU, gpus: [0] }\n]\nparameters: {}\n'
+    assert with_instance_count(config, 3) == ('name: "llm"\ninstance_group [\n  { count: 3, kind: KIND_CPU }\n]\n'
+                                              'parameters: {}\n')
+    assert "count: 2" in with_instance_count('name: "llm"\n', 2)

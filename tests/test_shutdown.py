@@ -1,6 +1,6 @@
-"""`npu-llm serve` and `npu-llm gateway` as a user runs them: Triton listens on loopback only, SIGTERM stops a
-busy stack within a bound and leaves no process behind, and an engine that dies takes the model out of
-service (readiness false, 503) instead of leaving requests to hang."""
+"""`npu-llm serve` and `npu-llm gateway` as a user runs them: Triton listens on loopback only, two engines (data
+parallel) share the requests, SIGTERM stops a busy stack within a bound and leaves no process behind, and an
+engine that dies takes the model out of service (readiness false, 503) instead of leaving requests to hang."""
 from __future__ import annotations
 
 import ipaddress
@@ -10,12 +10,15 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from backend import SamplingParams
 from backend.models.registry import DEFAULT_MODEL
 from backend.triton.launcher import DEFAULT_REPOSITORY, REPO_ROOT
 from tests.conftest import GATEWAY_API_KEY, free_port, start_gateway
@@ -29,11 +32,12 @@ SIGTERM_BOUND_S = 15
 class Served:
     """`npu-llm serve` in a subprocess, on free ports."""
 
-    def __init__(self, repository: Path, log_path: Path):
+    def __init__(self, repository: Path, log_path: Path, *engine_args: str):
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         argv = [sys.executable, "-m", "backend.cli", "serve", "--model-repository", str(repository),
-                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
-                "--engine-arg", "kv_cache_memory_gb=0.25", "--engine-arg", "max_num_seqs=16"]
+                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
+        for arg in ("kv_cache_memory_gb=0.25", "max_num_seqs=16", *engine_args):
+            argv += ["--engine-arg", arg]
         self.log_path = log_path
         self.process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
@@ -48,11 +52,21 @@ class Served:
         except httpx.HTTPError:
             return False
 
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).text.splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+    def per_engine(self, name: str) -> dict[str, float]:
+        """A vLLM metric's value on each engine (its engine label), summed over its other labels."""
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{self.metrics}/metrics").text):
+            for sample in family.samples:
+                if sample.name == name:
+                    values[sample.labels["engine"]] = values.get(sample.labels["engine"], 0) + sample.value
+        return values
+
+    def wait_per_engine(self, name: str, condition, timeout: float = 30) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while not condition(values := self.per_engine(name)):
+            assert time.monotonic() < deadline, f"{name}: {values}"
+            time.sleep(0.2)
+        return values
 
     def kill(self) -> None:
         """Whatever is left of it (nothing, when the test passed)."""
@@ -90,27 +104,57 @@ def _stream_forever(gateway: str, errors: list) -> None:
         errors.append(e)
 
 
-def test_triton_binds_loopback_and_sigterm_stops_a_busy_stack_in_bounded_time(tmp_path):
-    served = Served(DEFAULT_REPOSITORY, tmp_path / "serve.log")
+def _streamed_text(gateway: str, prompt: str, max_tokens: int = 16, events: int | None = None) -> str:
+    """A greedy streamed completion's text; with `events`, the connection is dropped after that many events."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": events is not None}
+    text, seen = "", 0
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+                seen += 1
+                if seen == events:
+                    break
+    return text
+
+
+def test_two_engines_share_the_requests_and_sigterm_stops_the_busy_stack(tmp_path, reference_llm):
+    """data_parallel_size=2: two Triton instances, an engine each. Requests land on both (their engine-labelled
+    metrics), streamed greedy text equals the engine's, and a dropped stream frees its blocks. Triton listens on
+    loopback only, and SIGTERM stops the busy stack within a bound, leaving no process behind."""
+    served = Served(DEFAULT_REPOSITORY, tmp_path / "serve.log", "data_parallel_size=2", "dtype=float32")
     gateway_port = free_port()
     gateway = start_gateway(f"127.0.0.1:{served.grpc}", gateway_port, tmp_path / "gateway.log")
+    url = f"http://127.0.0.1:{gateway_port}"
     try:
         # Triton has no authentication: its ports must not be reachable from elsewhere by default
         ports = {served.http, served.grpc, served.metrics}
         assert _listening(ports) == {port: True for port in ports}
+        log = served.log_path.read_text()
+        assert "engine 0 of 2 ready" in log and "engine 1 of 2 ready" in log and "(2 engines x TP 1)" in log
+
+        prompts = [f"Tell me about {topic}." for topic in ("the sea", "bread", "the moon", "cats", "rain", "maps",
+                                                           "salt", "music")]
+        expected = [o.outputs[0].text for o in reference_llm.generate(prompts, SamplingParams(temperature=0,
+                                                                                              max_tokens=16))]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda p: _streamed_text(url, p), prompts)) == expected
+        done = served.wait_per_engine("vllm:request_success_total", lambda v: sum(v.values()) == len(prompts))
+        assert set(done) == {"0", "1"} and all(done.values()), done  # both engines answered some
+
+        assert _streamed_text(url, "Count to a thousand:", max_tokens=2000, events=3)
+        served.wait_per_engine("vllm:request_success_total", lambda v: sum(v.values()) == len(prompts) + 1)
+        assert served.wait_per_engine("vllm:kv_cache_usage_perc", lambda v: not any(v.values())) == {"0": 0, "1": 0}
 
         errors: list = []
-        clients = [threading.Thread(target=_stream_forever, args=(f"http://127.0.0.1:{gateway_port}", errors))
-                   for _ in range(6)]
+        clients = [threading.Thread(target=_stream_forever, args=(url, errors)) for _ in range(6)]
         for c in clients:
             c.start()
-        deadline = time.monotonic() + 120
-        while served.metric("vllm:num_requests_running") < 16:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        served.wait_per_engine("vllm:num_requests_running", lambda v: sum(v.values()) >= 16, timeout=120)
         stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True),
                  psutil.Process(gateway.pid)]
-        assert any("triton_python_backend_stub" in " ".join(p.cmdline()) for p in stack)
+        assert sum("triton_python_backend_stub" in " ".join(p.cmdline()) for p in stack) == 2
 
         start = time.monotonic()
         served.process.send_signal(signal.SIGTERM)

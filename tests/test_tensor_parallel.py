@@ -9,6 +9,7 @@ import random
 import signal
 import time
 
+import psutil
 import pytest
 
 from backend import LLM, LLMEngine, SamplingParams
@@ -26,9 +27,9 @@ def _prompts() -> list[list[int]]:
         [rng.randrange(1, 500) for _ in range(n)] for n in (3, 57)]
 
 
-def _generate(model_dir, tokenizer_dir, tensor_parallel_size: int):
+def _generate(model_dir, tokenizer_dir, tensor_parallel_size: int, **engine_args):
     llm = LLM(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", num_kv_blocks=64, block_size=16,
-              max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size)
+              max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
@@ -45,6 +46,11 @@ def test_two_ranks_over_gloo_equal_one(arch, tmp_path, default_model_dir):
     sharded, stats = _generate(model_dir, default_model_dir, 2)
     assert stats.prefix_cache_hit_rate > 0  # the second prompt with the shared prefix reused its blocks
     assert max(len(p) for p in _prompts()) > 32  # longer than a step's budget: chunked prefill
+    _assert_same(alone, sharded)
+
+
+def _assert_same(alone, sharded) -> None:
+    """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4."""
     worst = 0.0
     for a, b in zip(alone, sharded):
         assert a.token_ids == b.token_ids and len(a.token_ids) == STEPS
@@ -52,6 +58,36 @@ def test_two_ranks_over_gloo_equal_one(arch, tmp_path, default_model_dir):
             assert step_a.keys() == step_b.keys()  # the same five most likely tokens
             worst = max(worst, *(abs(step_a[t].logprob - step_b[t].logprob) for t in step_a))
     assert worst < 1e-4, worst
+
+
+def test_ray_actors_equal_local_ranks_and_leave_no_process(tmp_path, default_model_dir):
+    """distributed_executor_backend="ray" on a local Ray instance (the issue's ray.init(num_cpus=2)): rank 1 is
+    a Ray actor, and the outputs are those of one process; shutting down leaves no Ray process behind."""
+    import ray
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    alone, _ = _generate(model_dir, default_model_dir, 1)
+    before = set(psutil.pids())
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        sharded, _ = _generate(model_dir, default_model_dir, 2, distributed_executor_backend="ray")
+    finally:
+        ray.shutdown()
+    _assert_same(alone, sharded)
+    deadline = time.monotonic() + 15
+    while (left := [p for p in _processes(set(psutil.pids()) - before) if "ray" in p]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left
+
+
+def _processes(pids) -> list[str]:
+    names = []
+    for pid in pids:
+        try:
+            names.append(" ".join(psutil.Process(pid).cmdline()))
+        except psutil.Error:  # gone meanwhile
+            pass
+    return names
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_reply_streams_with_stats_and_panel(page, triton_server):
     assert "TTFT" in stats and "tokens/s" in stats, stats
     page.wait_for_function("document.querySelector('#server-panel').innerText.includes('smollm2-135m-instruct')",
                            timeout=15000)
-    assert "Device cpu" in page.locator("#server-panel").inner_text()
+    assert "Layout 1 engine x TP 1 on cpu" in page.locator("#server-panel").inner_text()
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "ui-chat.png"))
 

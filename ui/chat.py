@@ -95,23 +95,29 @@ class ChatBackend:
         except OSError as e:
             return f"**Server** unreachable ({e})", self.throughput()
 
-        def value(name: str) -> float:
+        def values(name: str) -> list[float]:  # one per engine (data parallel: one per Triton instance)
             family = families.get(name)
-            return family.samples[0].value if family and family.samples else 0.0
+            return [sample.value for sample in family.samples] if family else []
 
-        info = families.get("npu_llm:engine_info")
-        labels = info.samples[0].labels if info and info.samples else {}
-        generated = families.get("vllm:generation_tokens")  # the parser strips _total from counters
+        def total(name: str) -> float:
+            return sum(values(name))
+
+        def mean(name: str) -> float:
+            return total(name) / max(1, len(values(name)))
+
+        engines = families["npu_llm:engine_info"].samples if "npu_llm:engine_info" in families else []
+        labels = engines[0].labels if engines else {}
+        devices = ", ".join(engine.labels.get("device", "?") for engine in engines) or "?"
         now = time.time()
-        self.samples.append((now, generated.samples[0].value if generated and generated.samples else 0.0))
+        self.samples.append((now, total("vllm:generation_tokens")))  # the parser strips _total from counters
         while self.samples and self.samples[0][0] < now - HISTORY_S:
             self.samples.popleft()
         panel = (
-            f"**Model** {labels.get('engine_model', '?')} · **Device** {labels.get('device', '?')} · "
-            f"**KV cache** {value('vllm:kv_cache_usage_perc') * 100:.1f}% · "
-            f"**Running** {value('vllm:num_requests_running'):.0f} · "
-            f"**Waiting** {value('vllm:num_requests_waiting'):.0f} · "
-            f"**Prefix-cache hit rate** {value('vllm:prefix_cache_hit_rate') * 100:.0f}%"
+            f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
+            f"**KV cache** {mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
+            f"**Running** {total('vllm:num_requests_running'):.0f} · "
+            f"**Waiting** {total('vllm:num_requests_waiting'):.0f} · "
+            f"**Prefix-cache hit rate** {mean('vllm:prefix_cache_hit_rate') * 100:.0f}%"
         )
         return panel, self.throughput()
 

@@ -79,7 +79,7 @@ class LLMEngine:
         check_tensor_parallel(model_config, config.tensor_parallel_size)
         tp, workers = SINGLE, None
         if config.tensor_parallel_size > 1:  # the other ranks start now, and load their shards alongside ours
-            tp, workers = start_workers(config, self.platform.name)
+            tp, workers = start_workers(config, self.platform.device)
         try:
             self._start(model_dir, tp, workers)
         except BaseException:

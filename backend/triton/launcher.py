@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.triton.instances import with_instance_count
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 
@@ -73,24 +75,31 @@ def _pythonpath() -> str:
 
 def run_copy(repository: Path, work_dir: Path, engine_args: dict) -> Path:
     """A copy of the repository whose model.json files carry engine_args; the user's files stay untouched.
+    A model whose model.json asks for data_parallel_size engines gets that many instances in its config.pbtxt.
 
-    Everything but model.json is a symlink, so model.py still resolves to this checkout.
+    Everything else is a symlink, so model.py still resolves to this checkout.
     """
     if not repository.is_dir():
         raise LaunchError(f"model repository {repository} does not exist")
     target = work_dir / "model_repository"
-    for source in repository.rglob("*"):
+    engines = {}  # model folder -> data_parallel_size
+    for source in sorted(repository.rglob("*")):
         dest = target / source.relative_to(repository)
         if source.is_dir():
             dest.mkdir(parents=True, exist_ok=True)
-        elif source.name == "model.json" and engine_args:
-            values = json.loads(source.read_text())
-            values.update(engine_args)
-            dest.parent.mkdir(parents=True, exist_ok=True)
+        elif source.name == "model.json":
+            values = {**json.loads(source.read_text()), **engine_args}
             dest.write_text(json.dumps(values, indent=2))
+            if "data_parallel_size" in values:
+                engines[dest.parent.parent] = values["data_parallel_size"]
         elif "__pycache__" not in source.parts:
-            dest.parent.mkdir(parents=True, exist_ok=True)
             dest.symlink_to(source.resolve())
+    for model, count in engines.items():
+        config = model / "config.pbtxt"
+        if config.exists() and isinstance(count, int):
+            text = config.read_text()
+            config.unlink()  # (a symlink to the user's file)
+            config.write_text(with_instance_count(text, count))
     return target
 
 

@@ -37,6 +37,7 @@ from backend.triton.contract import (
     parse_request,
     response_tensors,
 )
+from backend.triton.instances import engine_config, instance_place
 from backend.triton.metrics import InterTokenTimes, RequestRecord, VllmMetrics
 from backend.triton.model_json import parse_model_json
 
@@ -88,18 +89,27 @@ class TritonPythonModel:
         model_dir = os.path.join(args["model_repository"], args["model_version"])
         with open(os.path.join(model_dir, "model.json")) as f:
             model_json = parse_model_json(json.load(f))  # vLLM's key names work; what can't be honoured fails, named
-        config = model_json.config
         self._model_name = args["model_name"]
+        index, count = instance_place(args["model_instance_name"], self._model_name,
+                                      self.model_config.get("instance_group", []))
+        if count != model_json.data_parallel_size:
+            raise ValueError(f"model.json's data_parallel_size is {model_json.data_parallel_size} but config.pbtxt's "
+                             f"instance_group has {count} instance(s): one engine per instance, so make them equal "
+                             "(`npu-llm serve` writes the count from data_parallel_size)")
+        config = self._engine_config(model_json.config, index, count)
         params = self.model_config.get("parameters", {})
         # vllm_backend's switch; on by default here, since a dead engine should never look ready
         self._health_check = _bool_parameter(params, "ENABLE_VLLM_HEALTH_CHECK", default=True)
         self.engine = AsyncEngine.from_config(config, on_dead=self._engine_died)
-        self.logger.log_info(f"[npu-llm] engine ready: {config.model} on {self.engine.engine.platform.device}")
+        self.logger.log_info(f"[npu-llm] engine {index} of {count} ready: {config.model} on "
+                             f"{self.engine.engine.platform.device} ({model_json.layout})")
 
         self.metrics = None
         if _bool_parameter(params, "REPORT_CUSTOM_METRICS", default=False) and not model_json.disable_log_stats:
-            labels = {"model": args["model_name"], "version": args["model_version"]}
-            info = {"engine_model": config.model, "device": str(self.engine.engine.platform.device)}
+            # vLLM's engine label: which of the data-parallel engines (Triton instances) a series is from
+            labels = {"model": args["model_name"], "version": args["model_version"], "engine": str(index)}
+            info = {"engine_model": config.model, "device": str(self.engine.engine.platform.device),
+                    "layout": model_json.layout}
             engine = self.engine.engine
             cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(engine.kv.num_blocks),
                           "enable_prefix_caching": str(config.enable_prefix_caching),
@@ -117,6 +127,19 @@ class TritonPythonModel:
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._sender_thread = threading.Thread(target=self._send_loop, name="npu-llm-sender", daemon=True)
         self._sender_thread.start()
+
+    @staticmethod
+    def _engine_config(config, index: int, count: int):
+        """Engine `index` of `count`: on its own devices (backend/triton/instances.py); on the CPU, the engines
+        share the cores' threads."""
+        import torch
+
+        from backend.platform import resolve_platform
+
+        device_type = resolve_platform(config.device).name
+        if device_type == "cpu" and count > 1:
+            torch.set_num_threads(max(1, torch.get_num_threads() // count))
+        return engine_config(config, index, device_type)
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ NO_EFFECT = {
 # vLLM keys honoured only at one value (the one that is npu-llm's behaviour).
 ONLY = {
     "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
     "kv_cache_dtype": "auto",
     "quantization": None,
     "load_format": "auto",
@@ -36,6 +35,14 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
 class ModelJson:
     config: EngineConfig
     disable_log_stats: bool = False  # vLLM's switch for the engine's metrics (vllm_backend honours it too)
+    # engines, one per Triton model instance, each on its own tensor_parallel_size devices (README: Data parallel)
+    data_parallel_size: int = 1
+
+    @property
+    def layout(self) -> str:
+        """What the model runs as, e.g. "2 engines x TP 4" (8 devices)."""
+        engines = f"{self.data_parallel_size} engine{'s' if self.data_parallel_size > 1 else ''}"
+        return f"{engines} x TP {self.config.tensor_parallel_size}"
 
 
 def parse_model_json(values: dict) -> ModelJson:
@@ -51,9 +58,13 @@ def parse_model_json(values: dict) -> ModelJson:
         elif key == "disable_log_stats":
             if not isinstance(value, bool):
                 problems.append(f"disable_log_stats={value!r} (true or false)")
+        elif key == "data_parallel_size":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"data_parallel_size={value!r} (a positive integer)")
         elif key not in NO_EFFECT:
             problems.append(f"{key} (unknown)")
     if problems:
-        accepted = sorted(ours | set(ONLY) | set(NO_EFFECT) | {"disable_log_stats"})
+        accepted = sorted(ours | set(ONLY) | set(NO_EFFECT) | {"disable_log_stats", "data_parallel_size"})
         raise ValueError(f"model.json: cannot honour {', '.join(problems)}; accepted keys: {', '.join(accepted)}")
-    return ModelJson(EngineConfig.from_dict(engine_args), values.get("disable_log_stats", False))
+    return ModelJson(EngineConfig.from_dict(engine_args), values.get("disable_log_stats", False),
+                     values.get("data_parallel_size", 1))
