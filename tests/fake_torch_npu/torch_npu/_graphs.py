@@ -45,17 +45,17 @@ class _External:
         if storage is None:
             raise NpuGraphError(f"replay: {func} reads a tensor freed after the capture (a real graph would read "
                                 "freed memory): keep every tensor a graph reads alive as long as the graph")
-        import fake_npu_device
-
         dtype, _, size, stride, offset = self.view
         with torch.inference_mode(False), torch.no_grad():
-            host = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
-        return fake_npu_device.NpuTensor(host)  # the same memory, on the device again
+            return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)  # the memory underneath
 
 
 @dataclass
 class _Launch:
-    """One kernel: the op, the tensors it was given, and the outputs it wrote at capture."""
+    """One kernel: the op, the tensors it was given, and the outputs it wrote at capture.
+
+    A replay runs it on the host memory underneath the device tensors: its arguments passed the device's
+    checks when it was captured, and a real graph relaunches its kernels without checking them again."""
 
     func: object
     args: tuple
@@ -63,10 +63,13 @@ class _Launch:
     outputs: list
 
     def __post_init__(self):
+        import fake_npu_device
+
         self.reads_external = any(isinstance(v, _External) for v in _leaves((self.args, self.kwargs, self.outputs)))
+        self._host = _map(fake_npu_device.inner, (self.args, self.kwargs, self.outputs))
 
     def run(self) -> None:
-        args, kwargs, outputs = self.args, self.kwargs, self.outputs
+        args, kwargs, outputs = self._host
         if self.reads_external:
             args, kwargs, outputs = _map(self._resolve, (args, kwargs, outputs))
         result = self.func(*args, **kwargs)
