@@ -41,6 +41,11 @@ def test_chat_with_a_bad_block_size():
     _one_line_error(_npu_llm("chat", "--block-size", "3"), "block_size=3")
 
 
+def test_engine_commands_take_engine_args_over_their_flags():
+    _one_line_error(_npu_llm("chat", "--block-size", "16", "--engine-arg", "block_size=3"), "block_size=3")
+    _one_line_error(_npu_llm("bench", "throughput", "--engine-arg", "warp_speed=9"), "warp_speed")
+
+
 def test_bench_throughput_runs_and_reports_both_engines():
     import json
 

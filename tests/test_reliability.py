@@ -221,9 +221,10 @@ def _wait_running(triton_server, at_least: int, timeout: float = 60.0) -> None:
 def _cut_after_first_byte(url: str, body: dict) -> socket.socket:
     """A raw HTTP request that is left hanging (to be closed by the caller mid-generation)."""
     host, port = url.removeprefix("http://").split(":")
+    path = body.pop("_path")
     data = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(f"POST {body.pop('_path')} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Authorization: Bearer {GATEWAY_API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 

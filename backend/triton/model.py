@@ -106,8 +106,10 @@ class TritonPythonModel:
 
         self.metrics = None
         if _bool_parameter(params, "REPORT_CUSTOM_METRICS", default=False) and not model_json.disable_log_stats:
-            # vLLM's engine label: which of the data-parallel engines (Triton instances) a series is from
-            labels = {"model": args["model_name"], "version": args["model_version"], "engine": str(index)}
+            # vllm_backend's labels; with data parallel, vLLM's engine label too: which engine a series is from
+            labels = {"model": args["model_name"], "version": args["model_version"]}
+            if count > 1:
+                labels["engine"] = str(index)
             info = {"engine_model": config.model, "device": str(self.engine.engine.platform.device),
                     "layout": model_json.layout}
             engine = self.engine.engine
