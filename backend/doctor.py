@@ -211,7 +211,9 @@ def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check
     device = served.config.device.split(":")[0]
     if device == "auto":
         device = "npu" if npu_usable else "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = served.data_parallel_size * served.config.tensor_parallel_size
+    # with the Ray executor only each engine's rank 0 runs here; Ray places the others on its cluster
+    ray = served.config.distributed_executor_backend == "ray"
+    ranks = served.data_parallel_size * (1 if ray else served.config.tensor_parallel_size)
     first = int(served.config.device.partition(":")[2] or 0)
     if device == "cpu":
         cores = os.cpu_count() or 1
@@ -220,7 +222,8 @@ def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check
                      "fewer ranks than cores, or they only wait for each other")
     visible = torch.npu.device_count() if device == "npu" and npu_usable else (
         torch.cuda.device_count() if device == "cuda" else 0)
-    detail = f"{served.layout} = {ranks} {device} device{'s' * (ranks > 1)} from {device}:{first}; {visible} visible"
+    detail = (f"{served.layout} = {ranks} {device} device{'s' * (ranks > 1)} here from {device}:{first}"
+              f"{' (the other ranks on the Ray cluster)' if ray else ''}; {visible} visible")
     if first + ranks > visible:
         variable = "ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES"
         return Check("serving layout", FAIL, detail,

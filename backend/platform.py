@@ -55,12 +55,19 @@ def npu_available() -> bool:
     return torch.npu.is_available()
 
 
-def resolve_platform(device: str = "auto") -> Platform:
+def device_type(device: str = "auto") -> str:
+    """npu, cuda or cpu: what `device` names, "auto" resolved (npu > cuda > cpu), without opening a device."""
     if device not in DEVICE_CHOICES and not device.split(":")[0] in DEVICE_CHOICES[1:]:
         raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (optionally with :N); got {device!r}")
     name = device.split(":")[0]
     if name == "auto":
-        name = "npu" if npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+        return "npu" if npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_platform(device: str = "auto") -> Platform:
+    name = device_type(device)
+    if device.split(":")[0] == "auto":
         device = name
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device cuda requested but torch sees no CUDA GPU")

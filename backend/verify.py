@@ -123,6 +123,9 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
     """(a heading, the figures): the model on config.device in config.dtype against torch_ref in fp32."""
     if steps < 1:
         raise ValueError(f"steps={steps}: compare at least one decode step")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("verify compares one device's kernels with the reference: run it without "
+                         "tensor_parallel_size (the sharded model is checked against one rank by the tests)")
     platform = resolve_platform(config.device)
     model_dir = resolve_model(config.model)
     config.finalize(platform.name, max_model_len_of(load_config(model_dir)))

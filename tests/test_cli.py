@@ -44,6 +44,7 @@ def test_chat_with_a_bad_block_size():
 def test_engine_commands_take_engine_args_over_their_flags():
     _one_line_error(_npu_llm("chat", "--block-size", "16", "--engine-arg", "block_size=3"), "block_size=3")
     _one_line_error(_npu_llm("bench", "throughput", "--engine-arg", "warp_speed=9"), "warp_speed")
+    _one_line_error(_npu_llm("verify", "--engine-arg", "tensor_parallel_size=3"), "run it without tensor_parallel_size")
 
 
 def test_bench_throughput_runs_and_reports_both_engines():

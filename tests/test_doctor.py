@@ -46,7 +46,7 @@ def test_with_torch_npu_installed(tmp_path):
     assert " OK " in _row(ready.stdout, "NPU graph mode")
     assert " OK " in _row(ready.stdout, "ATB ops (CANN NNAL)") and "Ascend910B3" in _row(ready.stdout, "NPU chip")
     assert " INFO " in _row(ready.stdout, "one rope table per process")
-    assert " OK " in _row(ready.stdout, "serving layout") and "1 npu device from npu:0; 1 visible" in ready.stdout
+    assert " OK " in _row(ready.stdout, "serving layout") and "1 npu device here from npu:0; 1 visible" in ready.stdout
     broken = _doctor("--engine-arg", "data_parallel_size=2", env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann), "FAKE_NPU_NNAL": "0",
                           "FAKE_NPU_SOC": "Ascend310P3"})
     assert broken.returncode == 1

@@ -1,6 +1,8 @@
 """model.json as vllm_backend users write it: vLLM's engine-argument names load; what can't be honoured is named."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from backend.triton.instances import engine_config, instance_place, with_instance_count
@@ -53,3 +55,18 @@ def test_data_parallel_engines_and_their_instances():
     assert with_instance_count(config, 3) == ('name: "llm"\ninstance_group [\n  { count: 3, kind: KIND_CPU }\n]\n'
                                               'parameters: {}\n')
     assert "count: 2" in with_instance_count('name: "llm"\n', 2)
+
+
+def test_serve_writes_the_engine_count_into_its_copy_of_the_repository(tmp_path):
+    from backend.triton.launcher import run_copy
+
+    repository = tmp_path / "repository"
+    (repository / "llm" / "1").mkdir(parents=True)
+    (repository / "README.md").write_text("a file beside the models")
+    (repository / "llm" / "config.pbtxt").write_text('name: "llm"\ninstance_group [ { count: 1, kind: KIND_CPU } ]\n')
+    (repository / "llm" / "1" / "model.json").write_text('{"model": "m"}')
+    copy = run_copy(repository, tmp_path / "work", {"data_parallel_size": 2})
+    assert "count: 2" in (copy / "llm" / "config.pbtxt").read_text()
+    assert json.loads((copy / "llm" / "1" / "model.json").read_text()) == {"model": "m", "data_parallel_size": 2}
+    assert (copy / "README.md").read_text() == "a file beside the models"
+    assert "count: 1" in (repository / "llm" / "config.pbtxt").read_text()  # the user's files are untouched

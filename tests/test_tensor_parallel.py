@@ -80,6 +80,19 @@ def test_ray_actors_equal_local_ranks_and_leave_no_process(tmp_path, default_mod
     assert not left
 
 
+def test_ray_never_gives_a_rank_the_engines_own_device(fake_npu, monkeypatch):
+    """A cluster started with every device may place a rank on rank 0's: the start fails, saying what to do."""
+    import torch
+
+    from backend.engine.ray_executor import _check_not_ours
+
+    monkeypatch.setenv("FAKE_NPU_DEVICES", "4")
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5,6,7")  # the engine's npu:1 is the host's NPU 5
+    _check_not_ours([("10.0.0.1", ["5"]), ("10.0.0.2", ["6"])], "10.0.0.2", torch.device("npu", 1))  # elsewhere
+    with pytest.raises(RuntimeError, match=r"rank 2 the engine's own device \(npu:1, id 5\).*ASCEND_RT_VISIBLE"):
+        _check_not_ours([("10.0.0.1", ["4"]), ("10.0.0.1", ["5"])], "10.0.0.1", torch.device("npu", 1))
+
+
 def _processes(pids) -> list[str]:
     names = []
     for pid in pids:

@@ -103,7 +103,9 @@ class SamplingFields(OpenAIModel):
                 raise ValueError(why)
         if data.get("modalities") not in (None, ["text"]):
             raise ValueError("modalities: only [\"text\"] is supported")
-        return {key: value for key, value in data.items() if key not in METADATA and key != "modalities"}
+        # what is left of them asks for nothing (null, empty, best_of 1, text): no field of the request's
+        return {key: value for key, value in data.items()
+                if key not in METADATA and key not in UNSUPPORTED and key != "modalities"}
 
     @model_validator(mode="after")
     def _one_constraint(self):

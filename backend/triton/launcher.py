@@ -83,6 +83,7 @@ def run_copy(repository: Path, work_dir: Path, engine_args: dict) -> Path:
         raise LaunchError(f"model repository {repository} does not exist")
     target = work_dir / "model_repository"
     engines = {}  # model folder -> data_parallel_size
+    target.mkdir(parents=True, exist_ok=True)
     for source in sorted(repository.rglob("*")):
         dest = target / source.relative_to(repository)
         if source.is_dir():

@@ -136,12 +136,12 @@ class TritonPythonModel:
         share the cores' threads."""
         import torch
 
-        from backend.platform import resolve_platform
+        from backend.platform import device_type
 
-        device_type = resolve_platform(config.device).name
-        if device_type == "cpu" and count > 1:
+        kind = device_type(config.device)  # (not opening the first device: engine k > 0 never touches it)
+        if kind == "cpu" and count > 1:
             torch.set_num_threads(max(1, torch.get_num_threads() // count))
-        return engine_config(config, index, device_type)
+        return engine_config(config, index, kind)
 
     # -- requests ---------------------------------------------------------------------------------
 
