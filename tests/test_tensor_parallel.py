@@ -14,6 +14,7 @@ import pytest
 
 from backend import LLM, LLMEngine, SamplingParams
 from backend.engine.executor import RankFailedError
+from backend.models.registry import DEFAULT_MODEL
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -69,8 +70,8 @@ def test_ray_actors_equal_local_ranks_and_leave_no_process(tmp_path, default_mod
     alone, _ = _generate(model_dir, default_model_dir, 1)
     before = set(psutil.pids())
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        sharded, _ = _generate(model_dir, default_model_dir, 2, distributed_executor_backend="ray")
+    try:  # (the tokenizer by the default model's name, as --tokenizer takes it)
+        sharded, _ = _generate(model_dir, DEFAULT_MODEL, 2, distributed_executor_backend="ray")
     finally:
         ray.shutdown()
     _assert_same(alone, sharded)
