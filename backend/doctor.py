@@ -200,6 +200,7 @@ def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check
     whether this machine has the devices for it."""
     import torch
 
+    from backend.platform import VISIBLE_DEVICES, device_type
     from backend.triton.model_json import parse_model_json
 
     model_json = repository / "llm" / "1" / "model.json"
@@ -208,9 +209,7 @@ def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check
                                    **engine_args})
     except (ValueError, json.JSONDecodeError) as e:
         return Check("serving layout", FAIL, str(e)[:160], f"fix {model_json}")
-    device = served.config.device.split(":")[0]
-    if device == "auto":
-        device = "npu" if npu_usable else "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_type(served.config.device)
     # with the Ray executor only each engine's rank 0 runs here; Ray places the others on its cluster
     ray = served.config.distributed_executor_backend == "ray"
     ranks = served.data_parallel_size * (1 if ray else served.config.tensor_parallel_size)
@@ -218,16 +217,15 @@ def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check
     if device == "cpu":
         cores = os.cpu_count() or 1
         status = OK if ranks <= cores else WARN
-        return Check("serving layout", status, f"{served.layout} = {ranks} rank{'s' * (ranks > 1)} on the cpu ({cores} cores)",
-                     "fewer ranks than cores, or they only wait for each other")
+        detail = f"{served.layout} = {ranks} rank{'s' * (ranks > 1)} on the cpu ({cores} cores)"
+        return Check("serving layout", status, detail, "fewer ranks than cores, or they only wait for each other")
     visible = torch.npu.device_count() if device == "npu" and npu_usable else (
         torch.cuda.device_count() if device == "cuda" else 0)
     detail = (f"{served.layout} = {ranks} {device} device{'s' * (ranks > 1)} here from {device}:{first}"
               f"{' (the other ranks on the Ray cluster)' if ray else ''}; {visible} visible")
     if first + ranks > visible:
-        variable = "ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES"
-        return Check("serving layout", FAIL, detail,
-                     f"lower data_parallel_size or tensor_parallel_size, or make more devices visible ({variable})")
+        return Check("serving layout", FAIL, detail, "lower data_parallel_size or tensor_parallel_size, or make "
+                     f"more devices visible ({VISIBLE_DEVICES[device]})")
     return Check("serving layout", OK, detail)
 
 

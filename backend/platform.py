@@ -55,6 +55,10 @@ def npu_available() -> bool:
     return torch.npu.is_available()
 
 
+# The variable that narrows which of a host's accelerators a process sees (and in what order).
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
 def device_type(device: str = "auto") -> str:
     """npu, cuda or cpu: what `device` names, "auto" resolved (npu > cuda > cpu), without opening a device."""
     if device not in DEVICE_CHOICES and not device.split(":")[0] in DEVICE_CHOICES[1:]:

@@ -16,15 +16,15 @@ import socket
 from backend.config import EngineConfig
 from backend.distributed import TensorParallel, init_tensor_parallel, timeout
 from backend.engine.executor import Workers, run_worker, share_cpu_threads
+from backend.platform import VISIBLE_DEVICES
 
 # What the ranks need from the engine's environment: an actor starts from its raylet's environment, not ours.
 PASSED_ENV = ("NPU_LLM_DISTRIBUTED_TIMEOUT_S", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_IF_IP",
               "HCCL_SOCKET_IFNAME", "HCCL_CONNECT_TIMEOUT")
 
 
-# Ray's resource for each accelerator, and the variable through which Ray shows a rank its device.
+# Ray's resource for each accelerator (it shows a rank its device through platform.VISIBLE_DEVICES).
 RESOURCES = {"cuda": "GPU", "npu": "NPU"}
-VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 class Rank:
