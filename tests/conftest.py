@@ -80,12 +80,15 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def make_tiny_model(arch: str, path):
-    """A Hugging Face folder with random weights (biases made non-zero so they matter)."""
+def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"]):
+    """A Hugging Face folder with random weights (biases made non-zero so they matter); a real tokenizer's
+    `vocab_size` lets it take text."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+    config = _tiny_config(arch)
+    config.vocab_size = vocab_size
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

@@ -1,6 +1,7 @@
 """`npu-llm serve` and `npu-llm gateway` as a user runs them: Triton listens on loopback only, two engines (data
-parallel) share the requests, SIGTERM stops a busy stack within a bound and leaves no process behind, and an
-engine that dies takes the model out of service (readiness false, 503) instead of leaving requests to hang."""
+parallel) share the requests, SIGTERM stops a busy stack within a bound and leaves no process behind, and a
+tensor-parallel engine whose rank dies takes the model out of service (readiness false, 503) instead of leaving
+requests to hang."""
 from __future__ import annotations
 
 import ipaddress
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend import SamplingParams
 from backend.models.registry import DEFAULT_MODEL
 from backend.triton.launcher import DEFAULT_REPOSITORY, REPO_ROOT
-from tests.conftest import GATEWAY_API_KEY, free_port, start_gateway
+from tests.conftest import GATEWAY_API_KEY, free_port, make_tiny_model, start_gateway
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL  # the name the gateway serves it under
@@ -170,33 +171,29 @@ def test_two_engines_share_the_requests_and_sigterm_stops_the_busy_stack(tmp_pat
         gateway.kill()
 
 
-FAULT_MODEL = '''
-import os
-import sys
-sys.path[:0] = [{root!r}] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # as 1/model.py
-from backend.triton.model import TritonPythonModel as _Served
-import triton_python_backend_utils as pb_utils
+def _stream_until_killed(http_port: int, kill) -> str:
+    """Everything a long greedy stream from Triton's generate_stream sends, with `kill()` run after its third event."""
+    body = {"text_input": "Count to a thousand:", "parameters": {"stream": True, "max_tokens": 400,
+                                                                 "ignore_eos": True, "temperature": 0}}
+    sent = []
+    with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v2/models/llm/generate_stream", json=body,
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            sent.append(line)
+            if line.startswith("data:") and sum(x.startswith("data:") for x in sent) == 3:
+                kill()
+    return "\n".join(sent)
 
 
-def _broken_schedule():
-    raise MemoryError("injected: the engine's own state is broken")
+def test_a_dead_rank_takes_the_model_out_of_service_and_sigterm_leaves_nothing(tmp_path, default_model_dir):
+    """Tensor parallel behind Triton, in a repository as vllm_backend users write it: vLLM's model.json keys with
+    the model pointed at a local folder, and its config parameters (metrics off, health check on). When rank 1
+    dies mid-stream, the stream ends with an error naming it, the model goes out of service (readiness false,
+    503) instead of leaving requests to hang, and SIGTERM leaves no process behind."""
+    from transformers import AutoTokenizer
 
-
-class TritonPythonModel(_Served):
-    """The real model; a request whose text is KILL breaks the engine's scheduler (a fault no request owns)."""
-
-    def execute(self, requests):
-        for request in requests:
-            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
-            if text == b"KILL":
-                self.engine.engine.scheduler.schedule = _broken_schedule
-        return super().execute(requests)
-'''
-
-
-def test_a_dead_engine_is_out_of_service_within_seconds(tmp_path, default_model_dir):
-    """Also a repository as vllm_backend users write it: vLLM's model.json keys with the model pointed at a
-    local folder, and its config parameters (metrics off, health check on)."""
+    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
+    model_dir = make_tiny_model("llama", tmp_path / "llama", vocab_size=vocab)  # 4 heads: it shards in two
     repository = tmp_path / "repository"
     (repository / "llm" / "1").mkdir(parents=True)
     config = (DEFAULT_REPOSITORY / "llm" / "config.pbtxt").read_text()
@@ -204,9 +201,9 @@ def test_a_dead_engine_is_out_of_service_within_seconds(tmp_path, default_model_
         config.replace('key: "REPORT_CUSTOM_METRICS"\n  value: { string_value: "true" }',
                        'key: "REPORT_CUSTOM_METRICS"\n  value: { string_value: "false" }'))
     (repository / "llm" / "1" / "model.json").write_text(json.dumps(
-        {"model": str(default_model_dir), "disable_log_requests": True, "gpu_memory_utilization": 0.5,
-         "enforce_eager": True}))
-    (repository / "llm" / "1" / "model.py").write_text(FAULT_MODEL.format(root=str(REPO_ROOT)))
+        {"model": str(model_dir), "tokenizer": str(default_model_dir), "tensor_parallel_size": 2,
+         "disable_log_requests": True, "gpu_memory_utilization": 0.5, "enforce_eager": True}))
+    (repository / "llm" / "1" / "model.py").write_text((DEFAULT_REPOSITORY / "llm" / "1" / "model.py").read_text())
     served = Served(repository, tmp_path / "serve.log")
     metrics = httpx.get(f"http://127.0.0.1:{served.metrics}/metrics", timeout=5).text
     assert "vllm:" not in metrics  # REPORT_CUSTOM_METRICS false
@@ -216,9 +213,12 @@ def test_a_dead_engine_is_out_of_service_within_seconds(tmp_path, default_model_
     try:
         assert served.ready(model=True)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        killed = httpx.post(f"http://127.0.0.1:{served.http}/v2/models/llm/generate", timeout=60,
-                            json={"text_input": "KILL", "parameters": {"max_tokens": 4}})
-        assert killed.status_code >= 400 and "engine" in killed.text
+        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
+        [rank_1] = [p for p in stack if "multiprocessing.spawn" in " ".join(p.cmdline())]
+        assert "(1 engine x TP 2)" in served.log_path.read_text()
+
+        stream = _stream_until_killed(served.http, rank_1.kill)
+        assert "rank 1 exited with code -9" in stream, stream[-2000:]
         start = time.monotonic()
         while served.ready(model=True):
             assert time.monotonic() - start < 10, "the model still reads ready"
@@ -228,6 +228,10 @@ def test_a_dead_engine_is_out_of_service_within_seconds(tmp_path, default_model_
         after = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
                            json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert after.status_code == 503 and time.monotonic() - start < 5, after.text
+
+        served.process.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(stack, timeout=SIGTERM_BOUND_S)
+        assert not alive, f"still running after SIGTERM: {[p.cmdline()[:2] for p in alive]}"
     finally:
         served.process.send_signal(signal.SIGTERM)
         gateway.terminate()
