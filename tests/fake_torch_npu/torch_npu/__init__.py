@@ -77,7 +77,12 @@ def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
     _require(key_cache.is_contiguous() and value_cache.is_contiguous(), f"{name}: caches must be contiguous")
     _require(slot_indices.dtype == torch.int32, f"{name}: slot_indices must be int32, got {slot_indices.dtype}")
     _require(slot_indices.shape == (key.shape[0],), f"{name}: one slot per token")
-    torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slot_indices.long())
+    _graphs.launch(_write_cache, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                   slots=slot_indices)
+
+
+def _write_cache(key, value, key_cache, value_cache, slots):
+    torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slots.long())
 
 
 # -- norms and rotary -------------------------------------------------------------------------------
@@ -117,6 +122,10 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
     table = _rope_tables["cos_sin"]
     if len(positions) and not _graphs.is_capturing():  # (a capture cannot read device values back)
         _require(int(positions.max()) < table.shape[0], f"{name}: position beyond the cached table's {table.shape[0]} rows")
+    _graphs.launch(_rotate, positions=positions, query=query, key=key, head_size=head_size, table=table)
+
+
+def _rotate(positions, query, key, head_size, table):
     q, k = torch_ref.rotary_embedding(positions, query.view(len(positions), -1, head_size),
                                       key.view(len(positions), -1, head_size), table.to(query.dtype))
     query.copy_(q.reshape(query.shape))
@@ -166,8 +175,14 @@ def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_hea
         needed = _workspace_bytes(num_heads, context_lens)
         _require(workspace.numel() * workspace.element_size() >= needed,
                  f"{name}: workspace of {workspace.numel() * workspace.element_size()} bytes, the op needs {needed}")
-    md = _metadata([1] * query.shape[0], context_lens.tolist(), block_table, key_cache.shape[1])
-    out.copy_(torch_ref.decode_attention(query, key_cache, value_cache, md, scale_value))
+    # context_lens is host data: the op reads it when issued (a graph keeps the values it was captured with)
+    _graphs.launch(_decode_attention, query=query, key_cache=key_cache, value_cache=value_cache,
+                   block_table=block_table, context_lens=context_lens.tolist(), scale=scale_value, out=out)
+
+
+def _decode_attention(query, key_cache, value_cache, block_table, context_lens, scale, out):
+    md = _metadata([1] * query.shape[0], context_lens, block_table, key_cache.shape[1])
+    out.copy_(torch_ref.decode_attention(query, key_cache, value_cache, md, scale))
 
 
 def _workspace_bytes(num_heads: int, context_lens: torch.Tensor) -> int:
@@ -205,10 +220,14 @@ def _npu_flash_attention(*, query, key, value, mask, seq_len, scale_value, num_h
     expected = _causal_mask([longest], [longest], longest, masked, query.dtype)
     _require(mask.shape == (longest, longest) and torch.equal(mask.cpu(), expected),
              f"{name}: mask must be the [S,S] causal mask (masked = {masked} for {query.dtype})")
+    _graphs.launch(_prefill_attention, query=query, key=key, value=value, lens=lens, scale=scale_value, out=out)
+
+
+def _prefill_attention(query, key, value, lens, scale, out):
     start = 0
     for n in lens:
         out[start : start + n] = torch_ref.prefill_attention(query[start : start + n], key[start : start + n],
-                                                             value[start : start + n], scale_value)
+                                                             value[start : start + n], scale)
         start += n
 
 
@@ -226,12 +245,17 @@ def _npu_paged_attention_splitfuse(*, query, key_cache, value_cache, block_table
     expected = _causal_mask(q_lens, ctx_lens, max(ctx_lens), masked, query.dtype)
     _require(mask.shape == expected.shape and torch.equal(mask.cpu(), expected),
              f"{name}: mask must be [T, max context] with token at position p seeing KV <= p")
+    _graphs.launch(_chunked_attention, query=query, key_cache=key_cache, value_cache=value_cache,
+                   block_table=block_table, q_lens=q_lens, ctx_lens=ctx_lens, scale=scale_value, out=out)
+
+
+def _chunked_attention(query, key_cache, value_cache, block_table, q_lens, ctx_lens, scale, out):
     block_size, start = key_cache.shape[1], 0
     for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
         blocks = block_table[i, : cdiv(c, block_size)].long()
         k = torch_ref.gather_kv(key_cache, blocks)[:c]
         v = torch_ref.gather_kv(value_cache, blocks)[:c]
-        out[start : start + q] = torch_ref.prefill_attention(query[start : start + q], k, v, scale_value)
+        out[start : start + q] = torch_ref.prefill_attention(query[start : start + q], k, v, scale)
         start += q
 
 

@@ -7,6 +7,8 @@ numbers, CPU tensors such as the paged-attention op's context_lens) stay as they
 capture. This fake gives the same semantics on the CPU by recording every aten op issued during
 capture (a TorchDispatchMode) with the very tensors it used, and re-running them on replay with
 each result written back into the tensor the capture produced, so later ops read the new values.
+A fused op is one kernel: the fake's ATB ops issue theirs through launch(), which the capture
+records as one launch rather than as the aten ops the fake computes it with.
 
 Task groups (Ascend/pytorch torch_npu/csrc/core/npu/NPUGraph.h): ops issued between
 graph_task_group_begin and graph_task_group_end form a group whose handle lets them be re-issued
@@ -26,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
 class NpuGraphError(RuntimeError):
@@ -126,19 +128,38 @@ _HOST_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.d
                torch.ops.aten.is_nonzero.default)
 
 
+_RECORDING: list["_Recorder"] = []  # the recorders entered, innermost last
+
+
 class _Recorder(TorchDispatchMode):
     """Runs every op as usual and appends it to `sink` (a list, swapped by task groups).
 
     Reading a value computed inside the graph back to the host (.item(), int(), a Python branch
     on it) needs a device sync, which a real capture refuses, so it raises here too.
     Host constants (torch.tensor(...) of Python data, lifted into the graph) may be read.
+    `updating`: it records a task-group update, which replaces launches without running them.
     """
 
-    def __init__(self, sink: list):
+    def __init__(self, sink: list, updating: bool = False):
         super().__init__()
-        self.sink = sink
+        self.sink, self.updating = sink, updating
         self.computed: set[int] = set()  # data_ptrs of the tensors ops produced during the capture
         self.owned: set[int] = set()  # device storages allocated during the capture (the graph's pool)
+
+    def __enter__(self):
+        _RECORDING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _RECORDING.remove(self)
+        return super().__exit__(*exc)
+
+    def record(self, func, args, kwargs, outputs) -> None:
+        def hold(value):  # device memory from outside the capture is only addressed, not owned
+            outside = isinstance(value, torch.Tensor) and value.device.type != "cpu" and _storage(value) not in self.owned
+            return _External(value) if outside else value
+
+        self.sink.append(_Launch(func, *_map(hold, (args, kwargs, outputs))))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -150,15 +171,24 @@ class _Recorder(TorchDispatchMode):
         if func in _LIFTS:  # a constant made during the capture: the graph's own memory
             inputs = set()
         self.owned.update(_storage(t) for t in _tensors(result) if _storage(t) not in inputs)
-
-        def hold(value):  # device memory from outside the capture is only addressed, not owned
-            outside = isinstance(value, torch.Tensor) and value.device.type != "cpu" and _storage(value) not in self.owned
-            return _External(value) if outside else value
-
-        self.sink.append(_Launch(func, *_map(hold, (args, kwargs, _tensors(result)))))
+        self.record(func, args, kwargs, _tensors(result))
         if func not in _LIFTS:
             self.computed.update(t.data_ptr() for t in _tensors(result))
         return result
+
+
+def launch(kernel, **args) -> None:
+    """A fused op's kernel: `kernel(**args)` on the host memory under the device tensors (the op has checked
+    them). Run now; while a graph is captured, also recorded as one launch. While a task group is updated,
+    only recorded: an update replaces the group's launches and runs nothing."""
+    recorder = _RECORDING[-1] if _RECORDING else None
+    if recorder is None:
+        kernel(**_map(_underneath, args))
+        return
+    if not recorder.updating:
+        with _disable_current_modes():
+            kernel(**_map(_underneath, args))
+    recorder.record(kernel, (), args, [])
 
 
 class _Stream:
@@ -265,7 +295,7 @@ def graph_task_update_begin(stream: _Stream, handle: _TaskGroup) -> None:
         raise NpuGraphError("graph_task_update_begin: issue the update on another stream than the one its "
                             "task group was captured on")
     stream.updating = handle
-    stream.recorder = _Recorder([])
+    stream.recorder = _Recorder([], updating=True)
     stream.recorder.__enter__()
 
 
