@@ -21,7 +21,7 @@ def test_short_load_reports_consistent_figures(target, triton_server, gateway, t
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--target", target, "--host", host, "--users", "4",
-         "--spawn-rate", "4", "--run-time", "5s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
+         "--spawn-rate", "4", "--run-time", "3s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
          "8:24", "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -66,7 +66,7 @@ def test_a_dataset_load_sends_its_conversations(gateway, default_model_dir, tmp_
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--target", "gateway", "--host", gateway, "--users", "2",
-         "--spawn-rate", "2", "--run-time", "5s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "1:2",
+         "--spawn-rate", "2", "--run-time", "3s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "1:2",
          "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
