@@ -185,11 +185,17 @@ def _stream_until_killed(http_port: int, kill) -> str:
     return "\n".join(sent)
 
 
-def test_a_dead_rank_takes_the_model_out_of_service_and_sigterm_leaves_nothing(tmp_path, default_model_dir):
+def _ranks(served: Served) -> list[psutil.Process]:
+    """The tensor-parallel workers of the engine `served` runs (spawned by Triton's Python stub)."""
+    stack = psutil.Process(served.process.pid).children(recursive=True)
+    return [p for p in stack if "multiprocessing.spawn" in " ".join(p.cmdline())]
+
+
+def test_tensor_parallel_behind_triton_unloads_fails_and_stops_cleanly(tmp_path, default_model_dir):
     """Tensor parallel behind Triton, in a repository as vllm_backend users write it: vLLM's model.json keys with
-    the model pointed at a local folder, and its config parameters (metrics off, health check on). When rank 1
-    dies mid-stream, the stream ends with an error naming it, the model goes out of service (readiness false,
-    503) instead of leaving requests to hang, and SIGTERM leaves no process behind."""
+    the model pointed at a local folder, and its config parameters (metrics off, health check on). Unloading the
+    model stops its worker. When rank 1 dies mid-stream, the stream ends with an error naming it, the model goes
+    out of service (readiness false, 503) instead of leaving requests to hang, and SIGTERM leaves no process."""
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
@@ -213,10 +219,17 @@ def test_a_dead_rank_takes_the_model_out_of_service_and_sigterm_leaves_nothing(t
     try:
         assert served.ready(model=True)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
-        [rank_1] = [p for p in stack if "multiprocessing.spawn" in " ".join(p.cmdline())]
         assert "(1 engine x TP 2)" in served.log_path.read_text()
+        triton = f"http://127.0.0.1:{served.http}/v2/repository/models/llm"
+        [rank_1] = _ranks(served)
+        assert httpx.post(f"{triton}/unload", timeout=60).status_code == 200
+        rank_1.wait(SIGTERM_BOUND_S)  # Triton unloading the model stops its worker, and Triton stays up
+        assert httpx.get(f"http://127.0.0.1:{served.http}/v2/health/live").status_code == 200
+        assert not served.ready(model=True)
+        assert httpx.post(f"{triton}/load", timeout=120).status_code == 200 and served.ready(model=True)
 
+        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
+        [rank_1] = _ranks(served)
         stream = _stream_until_killed(served.http, rank_1.kill)
         assert "rank 1 exited with code -9" in stream, stream[-2000:]
         start = time.monotonic()
