@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend import SamplingParams
 from backend.models.registry import DEFAULT_MODEL
-from backend.triton.launcher import DEFAULT_REPOSITORY, REPO_ROOT
+from backend.triton.launcher import DEFAULT_REPOSITORY
 from tests.conftest import GATEWAY_API_KEY, free_port, make_tiny_model, start_gateway
 
 pytestmark = pytest.mark.slow
