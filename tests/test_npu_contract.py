@@ -311,7 +311,8 @@ def test_engine_on_npu_equals_cpu_path(fake_npu, monkeypatch):
 def test_fake_graph_replays_recorded_ops_and_task_group_updates(fake_npu):
     """The fake NPUGraph behaves as a captured graph: replay recomputes on whatever the captured
     buffers hold, host values stay as captured, and only a task-group update, issued on another
-    stream than the capture's, changes them. Device memory it read but did not allocate is only addressed."""
+    stream than the capture's, changes them. Device memory it read but did not allocate is only addressed, and
+    nothing computed in the graph (by an aten op or a fused op) can be read back to the host during the capture."""
     graph, x, host = torch.npu.NPUGraph(), torch.ones(3, device="npu"), torch.tensor([2], dtype=torch.int32)
     out = torch.empty(3, device="npu")
     with torch.inference_mode():
@@ -342,6 +343,13 @@ def test_fake_graph_replays_recorded_ops_and_task_group_updates(fake_npu):
     with pytest.raises(fake_npu._graphs.NpuGraphError, match="syncs the device"):
         with torch.inference_mode(), torch.npu.graph(torch.npu.NPUGraph()):
             int((out + 1).max())
+    key, slot = torch.ones(1, 1, 1, dtype=torch.float16, device="npu"), torch.zeros(1, dtype=torch.int32, device="npu")
+    key_cache, value_cache = (torch.zeros(1, 1, 1, 1, dtype=torch.float16, device="npu") for _ in range(2))
+    with pytest.raises(fake_npu._graphs.NpuGraphError, match="syncs the device"):  # nor what a fused op wrote
+        with torch.inference_mode(), torch.npu.graph(torch.npu.NPUGraph()):
+            fake_npu._npu_reshape_and_cache(key=key, value=key, key_cache=key_cache, value_cache=value_cache,
+                                            slot_indices=slot)
+            key_cache.item()
 
 
 @pytest.mark.slow

@@ -77,8 +77,8 @@ def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
     _require(key_cache.is_contiguous() and value_cache.is_contiguous(), f"{name}: caches must be contiguous")
     _require(slot_indices.dtype == torch.int32, f"{name}: slot_indices must be int32, got {slot_indices.dtype}")
     _require(slot_indices.shape == (key.shape[0],), f"{name}: one slot per token")
-    _graphs.launch(_write_cache, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                   slots=slot_indices)
+    _graphs.launch(_write_cache, ("key_cache", "value_cache"), key=key, value=value, key_cache=key_cache,
+                   value_cache=value_cache, slots=slot_indices)
 
 
 def _write_cache(key, value, key_cache, value_cache, slots):
@@ -122,7 +122,8 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
     table = _rope_tables["cos_sin"]
     if len(positions) and not _graphs.is_capturing():  # (a capture cannot read device values back)
         _require(int(positions.max()) < table.shape[0], f"{name}: position beyond the cached table's {table.shape[0]} rows")
-    _graphs.launch(_rotate, positions=positions, query=query, key=key, head_size=head_size, table=table)
+    _graphs.launch(_rotate, ("query", "key"), positions=positions, query=query, key=key, head_size=head_size,
+                   table=table)
 
 
 def _rotate(positions, query, key, head_size, table):
@@ -176,7 +177,7 @@ def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_hea
         _require(workspace.numel() * workspace.element_size() >= needed,
                  f"{name}: workspace of {workspace.numel() * workspace.element_size()} bytes, the op needs {needed}")
     # context_lens is host data: the op reads it when issued (a graph keeps the values it was captured with)
-    _graphs.launch(_decode_attention, query=query, key_cache=key_cache, value_cache=value_cache,
+    _graphs.launch(_decode_attention, ("out",), query=query, key_cache=key_cache, value_cache=value_cache,
                    block_table=block_table, context_lens=context_lens.tolist(), scale=scale_value, out=out)
 
 
@@ -220,7 +221,8 @@ def _npu_flash_attention(*, query, key, value, mask, seq_len, scale_value, num_h
     expected = _causal_mask([longest], [longest], longest, masked, query.dtype)
     _require(mask.shape == (longest, longest) and torch.equal(mask.cpu(), expected),
              f"{name}: mask must be the [S,S] causal mask (masked = {masked} for {query.dtype})")
-    _graphs.launch(_prefill_attention, query=query, key=key, value=value, lens=lens, scale=scale_value, out=out)
+    _graphs.launch(_prefill_attention, ("out",), query=query, key=key, value=value, lens=lens, scale=scale_value,
+                   out=out)
 
 
 def _prefill_attention(query, key, value, lens, scale, out):
@@ -245,7 +247,7 @@ def _npu_paged_attention_splitfuse(*, query, key_cache, value_cache, block_table
     expected = _causal_mask(q_lens, ctx_lens, max(ctx_lens), masked, query.dtype)
     _require(mask.shape == expected.shape and torch.equal(mask.cpu(), expected),
              f"{name}: mask must be [T, max context] with token at position p seeing KV <= p")
-    _graphs.launch(_chunked_attention, query=query, key_cache=key_cache, value_cache=value_cache,
+    _graphs.launch(_chunked_attention, ("out",), query=query, key_cache=key_cache, value_cache=value_cache,
                    block_table=block_table, q_lens=q_lens, ctx_lens=ctx_lens, scale=scale_value, out=out)
 
 

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 
 class NpuGraphError(RuntimeError):
@@ -128,16 +128,13 @@ _HOST_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.d
                torch.ops.aten.is_nonzero.default)
 
 
-_RECORDING: list["_Recorder"] = []  # the recorders entered, innermost last
-
-
 class _Recorder(TorchDispatchMode):
     """Runs every op as usual and appends it to `sink` (a list, swapped by task groups).
 
     Reading a value computed inside the graph back to the host (.item(), int(), a Python branch
     on it) needs a device sync, which a real capture refuses, so it raises here too.
     Host constants (torch.tensor(...) of Python data, lifted into the graph) may be read.
-    `updating`: it records a task-group update, which replaces launches without running them.
+    `updating`: it records a task-group update, whose fused ops (launch) are recorded without running.
     """
 
     def __init__(self, sink: list, updating: bool = False):
@@ -145,14 +142,6 @@ class _Recorder(TorchDispatchMode):
         self.sink, self.updating = sink, updating
         self.computed: set[int] = set()  # data_ptrs of the tensors ops produced during the capture
         self.owned: set[int] = set()  # device storages allocated during the capture (the graph's pool)
-
-    def __enter__(self):
-        _RECORDING.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _RECORDING.remove(self)
-        return super().__exit__(*exc)
 
     def record(self, func, args, kwargs, outputs) -> None:
         def hold(value):  # device memory from outside the capture is only addressed, not owned
@@ -177,18 +166,21 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
-def launch(kernel, **args) -> None:
+def launch(kernel, writes: tuple[str, ...], **args) -> None:
     """A fused op's kernel: `kernel(**args)` on the host memory under the device tensors (the op has checked
-    them). Run now; while a graph is captured, also recorded as one launch. While a task group is updated,
-    only recorded: an update replaces the group's launches and runs nothing."""
-    recorder = _RECORDING[-1] if _RECORDING else None
-    if recorder is None:
-        kernel(**_map(_underneath, args))
-        return
-    if not recorder.updating:
+    them), writing in place the arguments named in `writes`. Its temporaries are host tensors, opaque to every
+    dispatch mode and to the device's memory accounting, as a fused kernel's are. Run now; while a graph is
+    captured, also recorded as one launch. While a task group is updated, only recorded: an update replaces
+    the group's launches and runs nothing."""
+    recorder = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, _Recorder)), None)
+    if recorder is None or not recorder.updating:
         with _disable_current_modes():
-            kernel(**_map(_underneath, args))
-    recorder.record(kernel, (), args, [])
+            result = kernel(**_map(_underneath, args))
+        assert result is None, f"{kernel.__name__}: a kernel writes its outputs in place"
+    if recorder is not None:
+        recorder.record(kernel, (), args, [])
+        if not recorder.updating:  # what it wrote is computed in the graph: the host may not read it back
+            recorder.computed.update(args[name].data_ptr() for name in writes)
 
 
 class _Stream:
