@@ -175,27 +175,41 @@ def _stream_until_killed(http_port: int, kill) -> str:
     """Everything a long greedy stream from Triton's generate_stream sends, with `kill()` run after its third event."""
     body = {"text_input": "Count to a thousand:", "parameters": {"stream": True, "max_tokens": 400,
                                                                  "ignore_eos": True, "temperature": 0}}
-    sent = []
+    sent, events = [], 0
     with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v2/models/llm/generate_stream", json=body,
                       timeout=60) as r:
         for line in r.iter_lines():
             sent.append(line)
-            if line.startswith("data:") and sum(x.startswith("data:") for x in sent) == 3:
+            events += line.startswith("data:")
+            if events == 3 and line.startswith("data:"):
                 kill()
     return "\n".join(sent)
 
 
 def _ranks(served: Served) -> list[psutil.Process]:
     """The tensor-parallel workers of the engine `served` runs (spawned by Triton's Python stub)."""
-    stack = psutil.Process(served.process.pid).children(recursive=True)
-    return [p for p in stack if "multiprocessing.spawn" in " ".join(p.cmdline())]
+    ranks = []
+    for process in psutil.Process(served.process.pid).children(recursive=True):
+        try:
+            if "multiprocessing.spawn" in " ".join(process.cmdline()):
+                ranks.append(process)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return ranks
 
 
-def test_tensor_parallel_behind_triton_unloads_fails_and_stops_cleanly(tmp_path, default_model_dir):
+def _model_state(served: Served) -> str:
+    """The model's state in Triton's repository index (READY, UNAVAILABLE, ...)."""
+    index = httpx.post(f"http://127.0.0.1:{served.http}/v2/repository/index", json={}, timeout=10).json()
+    return next((m.get("state", "") for m in index if m["name"] == "llm"), "")
+
+
+def test_tensor_parallel_behind_triton_fails_recovers_and_unloads_cleanly(tmp_path, default_model_dir):
     """Tensor parallel behind Triton, in a repository as vllm_backend users write it: vLLM's model.json keys with
-    the model pointed at a local folder, and its config parameters (metrics off, health check on). Unloading the
-    model stops its worker. When rank 1 dies mid-stream, the stream ends with an error naming it, the model goes
-    out of service (readiness false, 503) instead of leaving requests to hang, and SIGTERM leaves no process."""
+    the model pointed at a local folder, and its config parameters (metrics off, health check on). When rank 1
+    dies mid-stream, the stream ends with an error naming it and the model goes out of service (readiness false,
+    503) instead of leaving requests to hang. Loading it again brings it back; unloading it stops its worker while
+    Triton stays up; SIGTERM leaves no process."""
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
@@ -216,19 +230,12 @@ def test_tensor_parallel_behind_triton_unloads_fails_and_stops_cleanly(tmp_path,
     gateway_port = free_port()
     gateway = start_gateway(f"127.0.0.1:{served.grpc}", gateway_port, tmp_path / "gateway.log")
     url = f"http://127.0.0.1:{gateway_port}"
+    triton = f"http://127.0.0.1:{served.http}/v2/repository/models/llm"
     try:
         assert served.ready(model=True)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         assert "(1 engine x TP 2)" in served.log_path.read_text()
-        triton = f"http://127.0.0.1:{served.http}/v2/repository/models/llm"
-        [rank_1] = _ranks(served)
-        assert httpx.post(f"{triton}/unload", timeout=60).status_code == 200
-        rank_1.wait(SIGTERM_BOUND_S)  # Triton unloading the model stops its worker, and Triton stays up
-        assert httpx.get(f"http://127.0.0.1:{served.http}/v2/health/live").status_code == 200
-        assert not served.ready(model=True)
-        assert httpx.post(f"{triton}/load", timeout=120).status_code == 200 and served.ready(model=True)
 
-        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
         [rank_1] = _ranks(served)
         stream = _stream_until_killed(served.http, rank_1.kill)
         assert "rank 1 exited with code -9" in stream, stream[-2000:]
@@ -242,6 +249,18 @@ def test_tensor_parallel_behind_triton_unloads_fails_and_stops_cleanly(tmp_path,
                            json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert after.status_code == 503 and time.monotonic() - start < 5, after.text
 
+        start = time.monotonic()  # the dead engine's model unloads itself (asynchronously, as Triton unloads)
+        while _model_state(served) != "UNAVAILABLE":
+            assert time.monotonic() - start < 15, _model_state(served)
+            time.sleep(0.2)
+        assert httpx.post(f"{triton}/load", timeout=120).status_code == 200 and served.ready(model=True)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        [rank_1] = _ranks(served)
+        assert httpx.post(f"{triton}/unload", timeout=60).status_code == 200
+        rank_1.wait(15)  # unloading the model stops its worker...
+        assert httpx.get(f"http://127.0.0.1:{served.http}/v2/health/live").status_code == 200  # ...not Triton
+
+        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
         served.process.send_signal(signal.SIGTERM)
         _, alive = psutil.wait_procs(stack, timeout=SIGTERM_BOUND_S)
         assert not alive, f"still running after SIGTERM: {[p.cmdline()[:2] for p in alive]}"
