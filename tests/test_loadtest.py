@@ -1,4 +1,4 @@
-"""Short real loads (4 users, ~5 s) with locust against the real stack, one per target, and their reports."""
+"""Short real loads (4 users, ~3 s) with locust against the real stack, one per target, and their reports."""
 from __future__ import annotations
 
 import json

@@ -255,14 +255,14 @@ def test_a_storm_of_disconnects_leaves_nothing_behind(gateway, triton_server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
 
 
-def test_soak_of_ten_seconds_on_a_stack_it_starts(tmp_path):
-    """`npu-llm loadtest --start-stack --soak`: it starts Triton and the gateway, loads them for 10 s while watching
+def test_soak_of_twelve_seconds_on_a_stack_it_starts(tmp_path):
+    """`npu-llm loadtest --start-stack --soak`: it starts Triton and the gateway, loads them for 12 s while watching
     their memory and the KV cache, and stops them: no error, no memory creep, no KV block held, no port left open."""
     ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--start-stack", "--soak", "--soak-warm-up", "6",
          "--target", "gateway", *(a for name, port in ports.items() for a in (f"--{name}-port", str(port))),
-         "--engine-arg", "max_num_seqs=8", "--users", "4", "--spawn-rate", "4", "--run-time", "10s",
+         "--engine-arg", "max_num_seqs=8", "--users", "4", "--spawn-rate", "4", "--run-time", "12s",
          "--prompt-len", "32:96", "--max-tokens", "8:32", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -270,7 +270,8 @@ def test_soak_of_ten_seconds_on_a_stack_it_starts(tmp_path):
     assert soak["failures"] == [] and soak["errors"] == 0 and soak["requests"] > 10
     assert any(name.startswith("engine") for name in soak["memory"]), soak["memory"]
     assert any(name.startswith("gateway") for name in soak["memory"]), soak["memory"]
-    assert soak["after_stop"]["kv_usage"] == 0 and soak["samples"] >= 4
+    assert soak["after_stop"]["kv_usage"] == 0
+    assert sum(sample["t"] >= 6 for sample in soak["series"]) >= 3  # memory compared over samples after warm-up
     assert "soak passed" in run.stdout
     for name, port in ports.items():  # the stack it started is gone
         with socket.socket() as probe:
