@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.conftest import SMALL_KV_CACHE
+
 
 def _npu_llm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, timeout=120)
@@ -52,7 +54,7 @@ def test_bench_throughput_runs_and_reports_both_engines():
 
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "bench", "throughput", "--dtype", "float32", "--num-prompts", "3",
-         "--input-len", "12:20", "--output-len", "5", "--hf-batch-size", "3"],
+         "--input-len", "12:20", "--output-len", "5", "--hf-batch-size", "3", "--engine-arg", SMALL_KV_CACHE],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -74,6 +76,7 @@ def test_bench_serving_runs_in_process_and_through_the_stack_it_starts():
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "bench", "serving", "--num-prompts", "2", "--input-len", "16",
          "--output-len", "4", "--concurrency", "1", "2", "--engine-arg", "max_num_seqs=4",
+         "--engine-arg", SMALL_KV_CACHE,
          *(a for name, port in ports.items() for a in (f"--{name}-port", str(port)))],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -101,7 +104,7 @@ def test_chat_streams_in_a_terminal_and_ctrl_c_stops_a_reply():
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal
         os.execv(sys.executable, [sys.executable, "-m", "backend.cli", "chat", "--dtype", "float32",
-                                  "--max-tokens", "1500", "--temperature", "0"])
+                                  "--max-tokens", "1500", "--temperature", "0", "--engine-arg", SMALL_KV_CACHE])
     seen = b""
 
     def read_more(timeout: float) -> None:

@@ -21,7 +21,8 @@ def _run_timed(engine, until_done) -> list[float]:
 
 
 def test_capture_writes_a_trace_and_a_breakdown_that_sums_to_the_steps(tiny_llama_dir, default_model_dir, tmp_path):
-    llm = LLM(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), dtype="float32", profile_dir=str(tmp_path), max_num_batched_tokens=64)
+    llm = LLM(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=64,
+              profile_dir=str(tmp_path), max_num_batched_tokens=64)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm.start_profile()
@@ -63,10 +64,11 @@ def test_capture_writes_a_trace_and_a_breakdown_that_sums_to_the_steps(tiny_llam
 
 
 def test_profiling_needs_a_profile_dir_and_one_capture_at_a_time(tiny_llama_dir, default_model_dir, tmp_path):
-    llm = LLM(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), dtype="float32")
+    args = dict(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=64)
+    llm = LLM(**args)
     with pytest.raises(ValueError, match="profile_dir"):
         llm.start_profile()
-    llm = LLM(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), dtype="float32", profile_dir=str(tmp_path))
+    llm = LLM(profile_dir=str(tmp_path), **args)
     with pytest.raises(RuntimeError, match="no profile capture"):
         llm.stop_profile()
     llm.start_profile()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from backend import SamplingParams
 from backend.models.registry import DEFAULT_MODEL
-from tests.conftest import GATEWAY_API_KEY, free_port
+from tests.conftest import GATEWAY_API_KEY, SMALL_KV_CACHE, free_port
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL  # the name the gateway serves it under
@@ -262,7 +262,8 @@ def test_soak_of_twelve_seconds_on_a_stack_it_starts(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--start-stack", "--soak", "--soak-warm-up", "6",
          "--target", "gateway", *(a for name, port in ports.items() for a in (f"--{name}-port", str(port))),
-         "--engine-arg", "max_num_seqs=8", "--users", "4", "--spawn-rate", "4", "--run-time", "12s",
+         "--engine-arg", "max_num_seqs=8", "--engine-arg", SMALL_KV_CACHE,
+         "--users", "4", "--spawn-rate", "4", "--run-time", "12s",
          "--prompt-len", "32:96", "--max-tokens", "8:32", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
