@@ -1,12 +1,16 @@
 """Tensor parallel over gloo (2 local processes) computes what one process computes: the same greedy tokens and
 logprobs, through chunked prefill and a prefix-cache hit, on Llama with GQA and on Qwen2 with biases. A rank that
-dies or hangs stops the engine with a clear error, within the collectives' timeout, and no process stays behind."""
+dies or hangs stops the engine with a clear error, within the collectives' timeout, and no process stays behind.
+`bench throughput` runs it and profiles what its collectives cost."""
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -164,3 +168,21 @@ def test_a_start_that_fails_after_the_workers_started_leaves_none_behind(tiny_ll
         LLMEngine(model=str(tiny_llama), tokenizer=str(default_model_dir), dtype="float32", kv_cache_memory_gb=1e-9,
                   tensor_parallel_size=2)
     assert set(multiprocessing.active_children()) == before
+
+
+def test_bench_throughput_runs_tensor_parallel_and_profiles_its_collectives(tiny_llama, default_model_dir, tmp_path):
+    """`npu-llm bench throughput --engine-arg tensor_parallel_size=2 --profile DIR`, as the README measures TP's
+    overhead: it runs, and the profile's "TP all-reduce, all-gather" row holds time, within the step total."""
+    run = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "bench", "throughput", "--model", str(tiny_llama), "--tokenizer",
+         str(default_model_dir), "--dtype", "float32", "--num-kv-blocks", "64", "--engine-arg",
+         "tensor_parallel_size=2", "--baseline", "none", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+         "--profile", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1])["output_tokens"] == 8
+    [written] = tmp_path.glob("breakdown-*.json")
+    steps = json.loads(written.read_text())["breakdown"]["all"]
+    collectives, total = steps["TP all-reduce, all-gather"]["ms_per_step"], steps["step total"]["ms_per_step"]
+    assert 0 < collectives < total
+    assert "TP all-reduce, all-gather" in run.stderr  # the table it prints
