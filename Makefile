@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: install up test loadtest clean
+MAKEFLAGS += --jobs=2  # `make test`: the Python install and Chromium's apt install side by side
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
