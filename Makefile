@@ -5,7 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: install up test loadtest clean
-MAKEFLAGS += --jobs=2  # `make test`: the Python install and Chromium's apt install side by side
+# `make test` runs the Python install and Chromium's apt install side by side. Nothing a recipe starts (pip,
+# the kernel's ninja build, pytest) sees make's jobserver.
+ifeq ($(MAKECMDGOALS),test)
+MAKEFLAGS += --jobs=2
+endif
+unexport MAKEFLAGS MFLAGS
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
