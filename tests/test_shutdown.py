@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend import SamplingParams
 from backend.models.registry import DEFAULT_MODEL
 from backend.triton.launcher import DEFAULT_REPOSITORY
-from tests.conftest import GATEWAY_API_KEY, free_port, make_tiny_model, start_gateway
+from tests.conftest import GATEWAY_API_KEY, SMALL_KV_CACHE, free_port, make_tiny_model, start_gateway
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL  # the name the gateway serves it under
@@ -37,7 +37,7 @@ class Served:
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         argv = [sys.executable, "-m", "backend.cli", "serve", "--model-repository", str(repository),
                 "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
-        for arg in ("kv_cache_memory_gb=0.25", "max_num_seqs=16", *engine_args):
+        for arg in (SMALL_KV_CACHE, "max_num_seqs=16", *engine_args):
             argv += ["--engine-arg", arg]
         self.log_path = log_path
         self.process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
@@ -172,17 +172,17 @@ def test_two_engines_share_the_requests_and_sigterm_stops_the_busy_stack(tmp_pat
 
 
 def _stream_until_killed(http_port: int, kill) -> str:
-    """Everything a long greedy stream from Triton's generate_stream sends, with `kill()` run after its third event."""
+    """Everything a long greedy stream from Triton's generate_stream sends, with `kill()` run after its first event."""
     body = {"text_input": "Count to a thousand:", "parameters": {"stream": True, "max_tokens": 400,
                                                                  "ignore_eos": True, "temperature": 0}}
-    sent, events = [], 0
+    sent, killed = [], False
     with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v2/models/llm/generate_stream", json=body,
                       timeout=60) as r:
         for line in r.iter_lines():
             sent.append(line)
-            events += line.startswith("data:")
-            if events == 3 and line.startswith("data:"):
+            if line.startswith("data:") and not killed:
                 kill()
+                killed = True
     return "\n".join(sent)
 
 
@@ -209,7 +209,7 @@ def test_tensor_parallel_behind_triton_fails_recovers_and_unloads_cleanly(tmp_pa
     the model pointed at a local folder, and its config parameters (metrics off, health check on). When rank 1
     dies mid-stream, the stream ends with an error naming it and the model goes out of service (readiness false,
     503) instead of leaving requests to hang. Loading it again brings it back; unloading it stops its worker while
-    Triton stays up; SIGTERM leaves no process."""
+    Triton stays up; SIGTERM, with a worker running, leaves no process."""
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
@@ -260,7 +260,10 @@ def test_tensor_parallel_behind_triton_fails_recovers_and_unloads_cleanly(tmp_pa
         rank_1.wait(15)  # unloading the model stops its worker...
         assert httpx.get(f"http://127.0.0.1:{served.http}/v2/health/live").status_code == 200  # ...not Triton
 
+        assert httpx.post(f"{triton}/load", timeout=120).status_code == 200 and served.ready(model=True)
+        [rank_1] = _ranks(served)
         stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
+        assert rank_1 in stack
         served.process.send_signal(signal.SIGTERM)
         _, alive = psutil.wait_procs(stack, timeout=SIGTERM_BOUND_S)
         assert not alive, f"still running after SIGTERM: {[p.cmdline()[:2] for p in alive]}"
