@@ -193,7 +193,8 @@ class TritonUnderTest(TritonMetrics):
         return self.log_path.read_text(errors="replace")
 
 
-# For the engines the CLI tests start: the CPU default (4 GiB) costs each process seconds of zeroing and 4 GB of RAM.
+# For the engines tests start through the CLI: the CPU default (4 GiB) costs each process seconds of zeroing and
+# 4 GB of RAM.
 SMALL_KV_CACHE = "kv_cache_memory_gb=0.25"
 
 # Engine arguments of the test server: fp32, so its greedy output can be compared token for token.

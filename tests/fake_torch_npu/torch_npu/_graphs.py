@@ -171,7 +171,7 @@ def launch(kernel, writes: tuple[str, ...], **args) -> None:
     them), writing in place the arguments named in `writes`. Its temporaries are host tensors, opaque to every
     dispatch mode and to the device's memory accounting, as a fused kernel's are. Run now; while a graph is
     captured, also recorded as one launch. While a task group is updated, only recorded: an update replaces
-    the group's launches and runs nothing."""
+    the group's launches and runs no fused op."""
     recorder = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, _Recorder)), None)
     if recorder is None or not recorder.updating:
         with _disable_current_modes():
