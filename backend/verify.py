@@ -129,7 +129,7 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
     platform = resolve_platform(config.device)
     model_dir = resolve_model(config.model)
     config.finalize(platform.name, max_model_len_of(load_config(model_dir)))
-    tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else model_dir)
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
     encoded = [tokenizer.encode(p) for p in prompts]
     max_len = max(map(len, encoded)) + steps
     model, _, _ = load_model(model_dir, ops_for(platform.name), platform.device, config.dtype, max_len)

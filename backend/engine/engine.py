@@ -94,7 +94,7 @@ class LLMEngine:
         self.model, self.model_config, self.model_dir = load_model(
             model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp
         )
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
         self.runner = ModelRunner(self.model, 0, config.block_size, self.platform.device)  # the scratch block only
         if workers is not None:

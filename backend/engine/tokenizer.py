@@ -4,18 +4,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from backend.models.registry import resolve_model
 
-def load_tokenizer(path: str | Path):
+
+def load_tokenizer(name_or_path: str | Path):
+    """The tokenizer of a folder, a .gguf file or the default model's name (as --tokenizer takes them)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path)))
 
 
-def load_template_tokenizer(path: str | Path):
+def load_template_tokenizer(name_or_path: str | Path):
     """A tokenizer for chat templates and decoding only, without torch (the gateway's): the fast tokenizer of
     tokenizer.json. AutoTokenizer would load torch, through the model config it reads; a folder without
     tokenizer.json still gets it."""
-    if not (Path(path) / "tokenizer.json").is_file():
+    path = resolve_model(name_or_path)
+    if not (path / "tokenizer.json").is_file():
         return load_tokenizer(path)
     from transformers import PreTrainedTokenizerFast
 

@@ -80,9 +80,8 @@ async def until_disconnected(request: Request, work):
 
 def _load_tokenizer(name_or_path: str):
     from backend.engine.tokenizer import load_template_tokenizer
-    from backend.models.registry import resolve_model
 
-    return load_template_tokenizer(resolve_model(name_or_path))
+    return load_template_tokenizer(name_or_path)
 
 
 def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
