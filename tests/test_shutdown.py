@@ -69,11 +69,15 @@ class Served:
             time.sleep(0.2)
         return values
 
+    def processes(self) -> list[psutil.Process]:
+        """`npu-llm serve` and every process under it: Triton, its Python stubs, their workers."""
+        serve = psutil.Process(self.process.pid)
+        return [serve, *serve.children(recursive=True)]
+
     def kill(self) -> None:
         """Whatever is left of it (nothing, when the test passed)."""
         try:
-            parent = psutil.Process(self.process.pid)
-            processes = [parent, *parent.children(recursive=True)]
+            processes = self.processes()
         except psutil.Error:
             return
         for process in processes:
@@ -153,8 +157,7 @@ def test_two_engines_share_the_requests_and_sigterm_stops_the_busy_stack(tmp_pat
         for c in clients:
             c.start()
         served.wait_per_engine("vllm:num_requests_running", lambda v: sum(v.values()) >= 16, timeout=120)
-        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True),
-                 psutil.Process(gateway.pid)]
+        stack = [*served.processes(), psutil.Process(gateway.pid)]
         assert sum("triton_python_backend_stub" in " ".join(p.cmdline()) for p in stack) == 2
 
         start = time.monotonic()
@@ -189,7 +192,7 @@ def _stream_until_killed(http_port: int, kill) -> str:
 def _ranks(served: Served) -> list[psutil.Process]:
     """The tensor-parallel workers of the engine `served` runs (spawned by Triton's Python stub)."""
     ranks = []
-    for process in psutil.Process(served.process.pid).children(recursive=True):
+    for process in served.processes():
         try:
             if "multiprocessing.spawn" in " ".join(process.cmdline()):
                 ranks.append(process)
@@ -262,7 +265,7 @@ def test_tensor_parallel_behind_triton_fails_recovers_and_unloads_cleanly(tmp_pa
 
         assert httpx.post(f"{triton}/load", timeout=120).status_code == 200 and served.ready(model=True)
         [rank_1] = _ranks(served)
-        stack = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
+        stack = served.processes()
         assert rank_1 in stack
         served.process.send_signal(signal.SIGTERM)
         _, alive = psutil.wait_procs(stack, timeout=SIGTERM_BOUND_S)
