@@ -23,7 +23,7 @@ from kernels.torch_ref import reshape_and_cache, silu_and_mul  # noqa: F401
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "fused_ops_cpu.cpp", CSRC / "bindings.cpp"]
+SOURCES = sorted(CSRC.glob("*.cpp"))
 
 
 @functools.cache

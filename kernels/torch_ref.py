@@ -58,13 +58,14 @@ def paged_attention(
 
 def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode) -> torch.Tensor:
     """paged_attention with the decode part (one batched call for the leading one-token sequences) pluggable."""
-    out = torch.empty_like(query)
     nd = metadata.num_decodes
+    if nd == len(metadata.query_lens):  # a decode-only step: the decode kernel's output is the whole result
+        with scope("attention.decode"):
+            return decode(query, key_cache, value_cache, metadata, scale)
+    out = torch.empty_like(query)
     if nd:
         with scope("attention.decode"):
             out[:nd] = decode(query[:nd], key_cache, value_cache, metadata, scale)
-    if nd == len(metadata.query_lens):
-        return out
     with scope("attention.prefill"):
         start = nd
         for i in range(nd, len(metadata.query_lens)):

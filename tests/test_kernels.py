@@ -26,20 +26,21 @@ def _dense_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def _run_batch(seqs, block_size, ops=torch_ref, num_blocks=96, dtype=torch.float32):
+def _run_batch(seqs, block_size, ops=torch_ref, num_blocks=96, dtype=torch.float32,
+               num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
     """seqs: (context_len, query_len) pairs, decodes first. Returns (ours, reference) outputs."""
     rng = random.Random(block_size * 1000 + len(seqs))
     torch.manual_seed(len(seqs))
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache, value_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, ks, vs, qs = [], [], [], []
     for ctx, q_len in seqs:
         tables.append([free.pop() for _ in range(cdiv(ctx, block_size))])
-        ks.append(torch.randn(ctx, NUM_KV_HEADS, HEAD_DIM, dtype=dtype))
-        vs.append(torch.randn(ctx, NUM_KV_HEADS, HEAD_DIM, dtype=dtype))
-        qs.append(torch.randn(q_len, NUM_HEADS, HEAD_DIM, dtype=dtype))
+        ks.append(torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype))
+        vs.append(torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype))
+        qs.append(torch.randn(q_len, num_heads, head_dim, dtype=dtype))
         # earlier tokens are already cached
         cached = ctx - q_len
         if cached:
@@ -50,7 +51,7 @@ def _run_batch(seqs, block_size, ops=torch_ref, num_blocks=96, dtype=torch.float
     new_k = torch.cat([k[c - q :] for k, (c, q) in zip(ks, seqs)])
     new_v = torch.cat([v[c - q :] for v, (c, q) in zip(vs, seqs)])
     torch_ref.reshape_and_cache(new_k, new_v, key_cache, value_cache, md.slot_mapping)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     ours = ops.paged_attention(torch.cat(qs), new_k, new_v, key_cache, value_cache, md, scale)
     reference = torch.cat([_dense_attention(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
     return ours, reference
@@ -77,6 +78,18 @@ def test_paged_attention_matches_dense(seqs, block_size, ops):
 def test_paged_attention_bf16_within_tolerance(ops):
     ours, reference = _run_batch([(3, 1), (70, 1), (64, 64), (90, 30)], 16, ops, dtype=torch.bfloat16)
     torch.testing.assert_close(ours.float(), reference.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim, num_kv_heads, group", [(64, 3, 3), (64, 2, 7), (128, 2, 4), (128, 1, 1)])
+def test_cpu_decode_kernel_at_the_head_dims_it_vectorizes(dtype, head_dim, num_kv_heads, group):
+    # csrc/decode_attention_avx512.cpp: tiles of 16 tokens (partial ones too), query heads in registers
+    # four (D 64) or two (D 128) at a time, blocks crossed mid-tile
+    decodes = [(ctx, 1) for ctx in (1, 15, 16, 17, 40, 300)]
+    ours, reference = _run_batch(decodes, 16, cpu, dtype=dtype, num_heads=num_kv_heads * group,
+                                 num_kv_heads=num_kv_heads, head_dim=head_dim)
+    tolerance = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ours.float(), reference.float(), **tolerance)
 
 
 def test_cpu_decode_kernel_builds_here():

@@ -1,5 +1,4 @@
-// The CPU extension's ops: kernels/cpu.py builds paged_attention_cpu.cpp, fused_ops_cpu.cpp and
-// bindings.cpp into one module.
+// The CPU extension's ops: kernels/cpu.py builds the .cpp files of this folder into one module.
 //
 // Only the headers the kernels use: <torch/extension.h> (all of torch, pybind11 and Python) takes
 // about 40 s to parse per file on a 2-core machine, these about 3, and the build runs at first start.
@@ -20,6 +19,10 @@
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+// The AVX-512 decode kernel, where this CPU and the arguments allow it (fp32/bf16, head dim 64 or 128): writes
+// `out` and returns true; false leaves the call to the portable kernel.
+bool paged_decode_attention_avx512(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, float scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                      double eps);

@@ -3,6 +3,7 @@
 // One task per sequence computes all its query heads: each K/V row is read from memory once, each
 // block front to back, the next blocks prefetched. Semantics: kernels/torch_ref.py::decode_attention.
 #include "ops.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 
@@ -19,26 +20,6 @@ inline float load(const at::BFloat16* p, int64_t i) {
   return out;
 }
 inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-
-// exp for x <= 0 (scores minus their max) that the compiler can vectorize, unlike libm's expf:
-// 2^(x log2 e) split into an integer power (exponent bits) and a degree-6 polynomial for the
-// fraction (Cephes' coefficients, relative error ~2e-7).
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504088896341f;
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Blocks ahead of the one being read whose rows are prefetched. A sequence's blocks lie anywhere in
 // the cache, so the hardware prefetchers cannot guess them: without this a decode step waits on
@@ -103,7 +84,7 @@ void attend_sequence(const float* q, const T* key_cache, const T* value_cache, c
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = exp_nonpositive(s[t] - m);
+      s[t] = fast_exp(s[t] - m);
       sum += s[t];
     }
     const float inv = 1.f / sum;
@@ -167,6 +148,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim, "head shapes do not match");
   TORCH_CHECK(head_dim <= 512, "head_dim above 512 is not supported");
+  if (paged_decode_attention_avx512(q, key_cache, value_cache, tables, lens, out, static_cast<float>(scale))) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                                tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_seqs,
