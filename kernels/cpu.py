@@ -1,6 +1,6 @@
-"""CPU kernels: torch_ref, with decode attention, RMSNorm (with its residual add) and rotary done by a
-small C++ extension (csrc/) when it builds, and bf16 matmuls from oneDNN-packed weights (computed in
-fp32 on CPUs without bf16 hardware).
+"""CPU kernels: torch_ref, with decode attention, the KV cache writes, RMSNorm (with its residual add),
+rotary and the MLP's activation done by a small C++ extension (csrc/) when it builds, and bf16 matmuls
+from oneDNN-packed weights (computed in fp32 on CPUs without bf16 hardware).
 
 Decode attention is where the portable version spends its time on a CPU: it gathers every
 sequence's K/V into a padded copy before attending. The C++ kernel reads K/V in place through
@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from kernels import torch_ref
 from kernels.metadata import AttentionMetadata
-from kernels.torch_ref import reshape_and_cache, silu_and_mul  # noqa: F401
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
@@ -38,8 +37,10 @@ def compiled():
             name="npu_llm_cpu_kernels",
             sources=[str(path) for path in SOURCES],
             extra_include_paths=[str(CSRC)],
-            # -fopenmp: at::parallel_for is an OpenMP region in torch's CPU builds
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            # -fopenmp: at::parallel_for is an OpenMP region in torch's CPU builds. GCC vectorizes for AVX-512
+            # CPUs with 256-bit vectors unless told otherwise: 512 made the norms and rotary 15% faster.
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
+                          "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -111,12 +112,19 @@ def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata,
     )
 
 
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping: torch.Tensor) -> None:
+    ext = _extension()
+    if ext is None:
+        return torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
 def paged_attention(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
     return torch_ref.attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention)
 
 
-# Fused elementwise ops (csrc/fused_ops_cpu.cpp): one pass over memory each instead of torch_ref's five to eight.
-# (silu_and_mul stays torch_ref's: torch's vectorized silu beats a hand-written loop here.)
+# Fused elementwise ops (csrc/fused_ops_cpu.cpp, silu_and_mul_cpu.cpp): one pass over memory each instead of
+# torch_ref's two to eight.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,6 +138,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return torch_ref.add_rms_norm(x, residual, weight, eps)
     normed, summed = ext.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
     return normed, summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    ext = _extension()
+    return torch_ref.silu_and_mul(x) if ext is None else ext.silu_and_mul(x.contiguous())
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):

@@ -97,13 +97,17 @@ def test_cpu_decode_kernel_builds_here():
     assert cpu.compiled() is not None
 
 
-def test_reshape_and_cache_writes_each_slot():
+@pytest.mark.parametrize("ops", OPS)
+def test_reshape_and_cache_writes_each_slot(ops):
     cache_k, cache_v = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
-    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    torch_ref.reshape_and_cache(key, value, cache_k, cache_v, torch.tensor([0, 17, 63]))
+    # value as the model has it: a view into the fused QKV output, its rows strided by the QKV width
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 5, 8)[:, 1:3]
+    ops.reshape_and_cache(key, value, cache_k, cache_v, torch.tensor([0, 17, 63]))
     assert torch.equal(cache_k[0, 0], key[0]) and torch.equal(cache_k[1, 1], key[1]) and torch.equal(cache_k[3, 15], key[2])
     assert torch.equal(cache_v[1, 1], value[1])
     assert int((cache_k != 0).any(-1).any(-1).sum()) == 3  # nothing else written
+    with pytest.raises((RuntimeError, IndexError)):  # a slot past the cache's end
+        ops.reshape_and_cache(key, value, cache_k, cache_v, torch.tensor([0, 17, 64]))
 
 
 def test_slot_mapping_follows_block_table():
@@ -181,6 +185,18 @@ def test_cpu_fused_elementwise_ops_match_torch_ref(dtype):
     positions = torch.tensor([0, 1, 2, 299, 5, 6, 7, 100, 9, 10, 11])
     for ours, ref in zip(cpu.rotary_embedding(positions, q, k, cache), torch_ref.rotary_embedding(positions, q, k, cache)):
         torch.testing.assert_close(ours, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_silu_and_mul_matches_torch_ref(dtype):
+    """csrc/silu_and_mul_cpu.cpp: fp32 is torch_ref's own two ops; bf16 is fused, within one bf16 rounding."""
+    torch.manual_seed(0)
+    # a width that leaves a partial vector at the end of each half, and gates far into both tails of silu
+    x = torch.cat([torch.randn(9, 2 * 100) * 4, torch.full((1, 200), 100.0), torch.full((1, 200), -100.0)]).to(dtype)
+    ours, ref = cpu.silu_and_mul(x), torch_ref.silu_and_mul(x)
+    assert ours.shape == (11, 100) and ours.dtype == dtype
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(ours, ref, **tol)
 
 
 

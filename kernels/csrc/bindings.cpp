@@ -6,7 +6,9 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("reshape_and_cache", &reshape_and_cache, "write new K/V rows into their cache slots, in place");
   m.def("rms_norm", &rms_norm, "RMSNorm, fused");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, fused; returns (normed, summed)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [.., gate | up], fused");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key; returns new tensors");
 }

@@ -23,8 +23,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 // `out` and returns true; false leaves the call to the portable kernel.
 bool paged_decode_attention_avx512(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, float scale);
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                      double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
 std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
                                          const at::Tensor& cos_sin_cache);
