@@ -16,8 +16,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include <limits>
-
 namespace {
 
 constexpr int TILE = 16;  // tokens per score tile: one vector of scores
@@ -173,21 +171,7 @@ void scores_of_head(const T* q, float scale, PrefetchedRows<D, T> keys, int64_t 
       _mm512_storeu_ps(scores + g * padded + t0, _mm512_mul_ps(sum_lanes_of_16(dots), _mm512_set1_ps(scale)));
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * padded;
-    float max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : max)
-    for (int64_t t = 0; t < ctx; ++t) max = std::max(max, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = fast_exp(s[t] - max);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax_in_place(scores + g * padded, ctx);
 }
 
 // out[g] = sum_t scores[g][t] * V[t] for H query heads starting at `first` (H a constant, so that the

@@ -2,12 +2,12 @@
 // the block-table cache ([num_blocks, block_size, num_kv_heads, head_dim]), no gather copy.
 // One task per sequence computes all its query heads: each K/V row is read from memory once, each
 // block front to back, the next blocks prefetched. Semantics: kernels/torch_ref.py::decode_attention.
+// On AVX-512 CPUs decode_attention_avx512.cpp takes fp32 and bf16 at head dims 64 and 128; this kernel
+// everything else.
 #include "ops.h"
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>
-
-#include <limits>
 
 namespace {
 
@@ -77,20 +77,7 @@ void attend_sequence(const float* q, const T* key_cache, const T* value_cache, c
       scores[g * ctx + t] = s;
     }
   });
-  for (int64_t g = 0; g < num_heads; ++g) {
-    float* s = scores + g * ctx;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < ctx; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = fast_exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-  }
+  for (int64_t g = 0; g < num_heads; ++g) softmax_in_place(scores + g * ctx, ctx);
   std::fill(acc, acc + num_heads * head_dim, 0.f);
   for_each_row<HD>(value_cache, table, ctx, block_size, num_kv_heads, head_dim, row, [&](int64_t t, int64_t h) {
     for (int64_t g = h * group; g < (h + 1) * group; ++g) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // exp(x), relative error ~2e-7: 2^(x log2 e) split into an integer power (exponent bits) and a degree-6
 // polynomial for the fraction (Cephes' coefficients). Below -87 it returns exp(-87) ~ 1.6e-38, not 0;
@@ -24,4 +25,20 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// s[0 .. n) <- softmax(s[0 .. n)), in fp32.
+inline void softmax_in_place(float* s, int64_t n) {
+  float max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max)
+  for (int64_t t = 0; t < n; ++t) max = std::max(max, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = fast_exp(s[t] - max);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
