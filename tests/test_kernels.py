@@ -189,13 +189,14 @@ def test_cpu_fused_elementwise_ops_match_torch_ref(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_silu_and_mul_matches_torch_ref(dtype):
-    """csrc/silu_and_mul_cpu.cpp: fp32 is torch_ref's own two ops; bf16 is fused, within one bf16 rounding."""
+    """csrc/silu_and_mul_cpu.cpp: fp32 is torch_ref's own two ops; bf16 is fused, within a bf16 rounding or two
+    (silu's rounding may land one ulp from torch's, and the product's rounding adds one)."""
     torch.manual_seed(0)
     # a width that leaves a partial vector at the end of each half, and gates far into both tails of silu
     x = torch.cat([torch.randn(9, 2 * 100) * 4, torch.full((1, 200), 100.0), torch.full((1, 200), -100.0)]).to(dtype)
     ours, ref = cpu.silu_and_mul(x), torch_ref.silu_and_mul(x)
     assert ours.shape == (11, 100) and ours.dtype == dtype
-    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-6)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2**-6, atol=1e-6)
     torch.testing.assert_close(ours, ref, **tol)
 
 

@@ -9,7 +9,9 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 
-#if defined(__AVX512F__)
+// The fused loop's masked 16-bit loads and stores need AVX512BW and VL besides AVX512F.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FUSED_SILU 1
 #include <immintrin.h>
 
 namespace {
@@ -72,7 +74,7 @@ void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "the last dimension holds gate and up: it must be even");
   const int64_t dim = x.size(-1) / 2;
-#if defined(__AVX512F__)
+#if defined(FUSED_SILU)
   if (x.scalar_type() == at::kBFloat16 && x.is_contiguous()) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = dim;
