@@ -14,8 +14,6 @@
 #include "vec_math.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 namespace {
 
 constexpr int TILE = 16;  // tokens per score tile: one vector of scores
@@ -28,8 +26,7 @@ inline void load_row(const float* p, __m512* out) {
 template <int D>
 inline void load_row(const at::BFloat16* p, __m512* out) {
   const auto* bits = reinterpret_cast<const __m256i*>(p);
-  for (int c = 0; c < D / 16; ++c)
-    out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(bits + c)), 16));
+  for (int c = 0; c < D / 16; ++c) out[c] = bf16_to_fp32(_mm256_loadu_si256(bits + c));
 }
 
 // r[i] = sum of the lanes of v[i]: pairs of vectors add their interleaved halves, then quarters, then
