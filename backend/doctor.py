@@ -165,6 +165,24 @@ def check_cuda() -> Check:
     return Check("CUDA", WARN, f"not available (torch {torch.__version__})", "only needed to serve on NVIDIA GPUs")
 
 
+def check_cpu() -> list[Check]:
+    """The CPU level the kernels run at, and whether their C++ extension is built and loaded for it."""
+    from kernels import cpu
+    from kernels.cpu_features import ENV, cpu_features
+
+    try:
+        features = cpu_features()
+    except ValueError as e:  # NPU_LLM_CPU_ISA names a level this CPU does not have
+        return [Check("CPU level", FAIL, str(e), f"unset {ENV}, or name a level up to this CPU's")]
+    level = Check("CPU level", OK, features.describe())
+    reason = cpu.unavailable_reason()
+    if reason is None:
+        return [level, Check("CPU kernels", OK, f"the {features.build} build of kernels/csrc loaded")]
+    return [level, Check("CPU kernels", WARN, f"not in use: {reason}",
+                         "unset NPU_LLM_CPU_KERNELS" if reason.startswith("NPU_LLM_CPU_KERNELS") else
+                         "install g++ and ninja (pip install ninja); the portable PyTorch kernels run meanwhile")]
+
+
 def check_tritonserver() -> Check:
     from backend.triton.launcher import LaunchError, find_tritonserver
 
@@ -240,6 +258,7 @@ def run_checks(model: str, repository: Path | None = None, engine_args: dict | N
         *npu_checks,
         check_device_files(),
         check_cuda(),
+        *check_cpu(),
         check_tritonserver(),
         check_model(model),
         check_layout(repository or DEFAULT_REPOSITORY, engine_args or {}, npu_usable),

@@ -4,8 +4,9 @@ from oneDNN-packed weights (computed in fp32 on CPUs without bf16 hardware).
 
 Decode attention is where the portable version spends its time on a CPU: it gathers every
 sequence's K/V into a padded copy before attending. The C++ kernel reads K/V in place through
-the block table. It is compiled once per machine with torch's cpp_extension (cached under
-TORCH_EXTENSIONS_DIR); without a compiler, or with NPU_LLM_CPU_KERNELS=0, torch_ref is used.
+the block table. What runs is chosen by the CPU's level (kernels/cpu_features.py): the extension is
+compiled once per level with torch's cpp_extension (cached under TORCH_EXTENSIONS_DIR, one build per
+level); without a compiler, or with NPU_LLM_CPU_KERNELS=0, torch_ref is used.
 """
 from __future__ import annotations
 
@@ -18,41 +19,63 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_ref
+from kernels.cpu_features import BUILDS, cpu_features
 from kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
+# -fopenmp: at::parallel_for is an OpenMP region in torch's CPU builds.
+COMMON_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
 @functools.cache
-def compiled():
-    """The built extension module, or None where it cannot be built."""
-    if not _enabled():
-        return None
+def build(name: str):
+    """(the extension built for one of cpu_features.BUILDS, None), or (None, why it is not there).
+
+    Each build is its own module, npu_llm_cpu_kernels_<name>, in its own build directory: a cache shared by
+    machines of different levels never hands one of them another's binary. The module says which ISA it was
+    compiled for, and one that says otherwise is not used.
+    """
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name="npu_llm_cpu_kernels",
+        module = load(
+            name=f"npu_llm_cpu_kernels_{name}",
             sources=[str(path) for path in SOURCES],
             extra_include_paths=[str(CSRC)],
-            # -fopenmp: at::parallel_for is an OpenMP region in torch's CPU builds. GCC vectorizes for AVX-512
-            # CPUs with 256-bit vectors unless told otherwise: 512 made the norms and rotary 15% faster.
-            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
-                          "-fno-trapping-math"],
+            extra_cflags=[*COMMON_CFLAGS, *BUILDS[name]],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, unsupported platform
-        log.warning("CPU attention kernel unavailable (%s); using the portable PyTorch path", e)
+        reason = f"the {name} build failed: {type(e).__name__}: {str(e).strip()[-300:]}"
+        log.warning("CPU kernels unavailable (%s); using the portable PyTorch path", reason)
+        return None, reason
+    if module.compiled_isa() != name:
+        reason = f"{module.__file__} was compiled for {module.compiled_isa()}, not {name}"
+        log.warning("CPU kernels unavailable (%s); using the portable PyTorch path", reason)
+        return None, reason
+    return module, None
+
+
+def compiled():
+    """The extension built for this process's CPU level, or None where it cannot be built."""
+    if not _enabled():
         return None
+    return build(cpu_features().build)[0]
 
 
-@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the extension is not in use, or None where it is."""
+    if not _enabled():
+        return "NPU_LLM_CPU_KERNELS=0"
+    return build(cpu_features().build)[1]
+
+
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), at the level in use."""
+    return cpu_features().native_bf16
 
 
 # Below this many rows a matmul is bound by streaming its weights, not by arithmetic (a decode step
@@ -61,30 +84,33 @@ FEW_ROWS = 4
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 weights in oneDNN's blocked layout. Other dtypes stay as they are.
+    """bf16 weights in oneDNN's blocked layout, as the CPU's level allows. Other dtypes stay as they are.
 
     Where the CPU multiplies bf16 in hardware, the weights stay bf16: 2-3.5x faster matmuls than
     F.linear at decode batch sizes, a little faster at prefill sizes, bit-identical results. Elsewhere
-    oneDNN emulates bf16 at about a quarter of its fp32 speed, so the weights are packed as fp32 and
-    `linear` runs in fp32: like a bf16 GEMM it accumulates in fp32 and rounds the output to bf16 once,
-    so results agree with F.linear to bf16 rounding (summation order aside). That packed tensor carries
-    the bf16 packing too, as `few_rows`, for calls of fewer than FEW_ROWS rows: three times the bf16
-    weights' memory in all.
+    the weights are packed as fp32 and `linear` runs in fp32: like a bf16 GEMM it accumulates in fp32 and
+    rounds the output to bf16 once, so results agree with F.linear to bf16 rounding (summation order aside).
+    With AVX-512 (oneDNN emulates bf16 at about a quarter of its fp32 speed) that packed tensor carries the
+    bf16 packing too, as `few_rows`, for calls of fewer than FEW_ROWS rows: three times the bf16 weights'
+    memory in all. Without AVX-512 oneDNN has no bf16 at all (its reorder refuses to run), so every call
+    takes the fp32 packing. On aarch64 the weights stay as they are, for torch's F.linear.
     """
-    if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available() or not _enabled():
+    features = cpu_features()
+    if (weight.dtype != torch.bfloat16 or not features.x86 or not torch.backends.mkldnn.is_available()
+            or not _enabled()):
         return weight
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-    if native_bf16():
-        return packed
+    if features.native_bf16:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     fp32 = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
-    fp32.few_rows = packed
+    if features.onednn_bf16:
+        fp32.few_rows = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return fp32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
-    if weight.dtype != x.dtype and x.numel() < FEW_ROWS * x.shape[-1]:
+    if weight.dtype != x.dtype and x.numel() < FEW_ROWS * x.shape[-1] and hasattr(weight, "few_rows"):
         weight = weight.few_rows
     if weight.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
@@ -151,3 +177,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         return torch_ref.rotary_embedding(positions, query, key, cos_sin_cache)
     q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache)
     return q, k
+
+
+def describe() -> str:
+    """The CPU level and what runs at it, for the start-up log and `doctor`."""
+    reason = unavailable_reason()
+    kernels = f"C++ kernels: the {cpu_features().build} build" if reason is None else f"no C++ kernels ({reason})"
+    return f"{cpu_features().describe()}; {kernels}"

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight models of each architecture, and the default model."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -8,11 +9,40 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu_features import ENV, cpu_features, levels_up_to_host
+
 # A stand-in for torch_npu (no Ascend hardware here): only tests put it on the path.
 FAKE_TORCH_NPU = Path(__file__).parent / "fake_torch_npu"
 
 # Every test here runs on the CPU with two cores.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+CPU_LEVELS = levels_up_to_host()
+
+
+@contextlib.contextmanager
+def at_cpu_level(level: str):
+    """The CPU kernels at `level` (NPU_LLM_CPU_ISA, kernels/cpu_features.py) inside the block. Weights packed
+    under one level are not for another."""
+    before = os.environ.get(ENV)
+    os.environ[ENV] = level
+    cpu_features.cache_clear()
+    try:
+        yield level
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+        cpu_features.cache_clear()
+
+
+@pytest.fixture(params=CPU_LEVELS)
+def cpu_level(request):
+    """Each level this machine can run, lowest first: a machine with AMX runs the AVX2 paths too."""
+    with at_cpu_level(request.param):
+        yield request.param
 
 
 def pytest_collection_modifyitems(config, items):

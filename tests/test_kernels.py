@@ -7,10 +7,21 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata, cpu, torch_ref
+from kernels.cpu_features import cpu_features
 from kernels.metadata import cdiv
+from tests.conftest import CPU_LEVELS, at_cpu_level
 
-# every kernel module must agree with the dense reference
-OPS = [pytest.param(torch_ref, id="torch_ref"), pytest.param(cpu, id="cpu")]
+# every kernel module must agree with the dense reference: the CPU one at each level this machine can run
+OPS = [pytest.param("torch_ref", id="torch_ref")] + [pytest.param(level, id=f"cpu-{level}") for level in CPU_LEVELS]
+
+
+@pytest.fixture
+def ops(request):
+    if request.param == "torch_ref":
+        yield torch_ref
+        return
+    with at_cpu_level(request.param):
+        yield cpu
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 
@@ -57,7 +68,7 @@ def _run_batch(seqs, block_size, ops=torch_ref, num_blocks=96, dtype=torch.float
     return ours, reference
 
 
-@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("ops", OPS, indirect=True)
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize(
     "seqs",
@@ -74,7 +85,7 @@ def test_paged_attention_matches_dense(seqs, block_size, ops):
     torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("ops", OPS, indirect=True)
 def test_paged_attention_bf16_within_tolerance(ops):
     ours, reference = _run_batch([(3, 1), (70, 1), (64, 64), (90, 30)], 16, ops, dtype=torch.bfloat16)
     torch.testing.assert_close(ours.float(), reference.float(), atol=3e-2, rtol=3e-2)
@@ -82,7 +93,7 @@ def test_paged_attention_bf16_within_tolerance(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim, num_kv_heads, group", [(64, 3, 3), (64, 2, 7), (128, 2, 4), (128, 1, 1)])
-def test_cpu_decode_kernel_at_the_head_dims_it_vectorizes(dtype, head_dim, num_kv_heads, group):
+def test_cpu_decode_kernel_at_the_head_dims_it_vectorizes(dtype, head_dim, num_kv_heads, group, cpu_level):
     # csrc/decode_attention_avx512.cpp: tiles of 16 tokens (partial ones too), query heads in registers
     # four (D 64) or two (D 128) at a time, blocks crossed mid-tile
     decodes = [(ctx, 1) for ctx in (1, 15, 16, 17, 40, 300)]
@@ -92,12 +103,13 @@ def test_cpu_decode_kernel_at_the_head_dims_it_vectorizes(dtype, head_dim, num_k
     torch.testing.assert_close(ours.float(), reference.float(), **tolerance)
 
 
-def test_cpu_decode_kernel_builds_here():
+def test_cpu_decode_kernel_builds_here(cpu_level):
     # without it the "cpu" cases above would silently test torch_ref twice
     assert cpu.compiled() is not None
+    assert cpu.compiled().compiled_isa() == cpu_features().build  # each level's own build, for its own ISA
 
 
-@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("ops", OPS, indirect=True)
 def test_reshape_and_cache_writes_each_slot(ops):
     cache_k, cache_v = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
     # value as the model has it: a view into the fused QKV output, its rows strided by the QKV width
@@ -146,28 +158,31 @@ def test_rotary_matches_transformers():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows):
+def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
     weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     packed = cpu.pack_linear_weight(weight)
     assert packed.is_mkldnn  # bf16 weights do get packed here
     ours = cpu.linear(x, packed, bias)
     assert ours.dtype == torch.bfloat16
-    if cpu.native_bf16():  # bf16 GEMM from packed weights: bit-identical
+    features = cpu_features()
+    if features.native_bf16:  # bf16 GEMM from packed weights: bit-identical
         assert packed.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
-    elif rows < cpu.FEW_ROWS:  # a single row streams the bf16 twin of the fp32 packing: bit-identical
+    elif features.onednn_bf16 and rows < cpu.FEW_ROWS:  # a single row streams the bf16 twin: bit-identical
         assert packed.dtype == torch.float32 and packed.few_rows.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
     else:  # fp32 GEMM from fp32-packed weights, rounded to bf16 once: fp32's result to within one bf16 rounding
         assert packed.dtype == torch.float32
+        # below AVX-512 oneDNN refuses bf16 (its reorder raises there): no bf16 packing may be kept
+        assert features.onednn_bf16 or not hasattr(packed, "few_rows")
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)
     assert cpu.pack_linear_weight(weight.float()) is not None and not cpu.pack_linear_weight(weight.float()).is_mkldnn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_fused_elementwise_ops_match_torch_ref(dtype):
+def test_cpu_fused_elementwise_ops_match_torch_ref(dtype, cpu_level):
     """csrc/fused_ops_cpu.cpp against torch_ref: fp32 to rounding, bf16 to a bf16 rounding or two (the fused
     ops round once where torch_ref rounds after each op)."""
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
@@ -188,7 +203,7 @@ def test_cpu_fused_elementwise_ops_match_torch_ref(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_silu_and_mul_matches_torch_ref(dtype):
+def test_cpu_silu_and_mul_matches_torch_ref(dtype, cpu_level):
     """csrc/silu_and_mul_cpu.cpp: fp32 is torch_ref's own two ops; bf16 is fused, within a bf16 rounding or two
     (silu's rounding may land one ulp from torch's, and the product's rounding adds one)."""
     torch.manual_seed(0)
@@ -201,7 +216,7 @@ def test_cpu_silu_and_mul_matches_torch_ref(dtype):
 
 
 
-def test_cpu_rotary_refuses_positions_outside_its_table():
+def test_cpu_rotary_refuses_positions_outside_its_table(cpu_level):
     q, k = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
     with pytest.raises(RuntimeError, match="outside cos_sin_cache"):
         cpu.rotary_embedding(torch.tensor([0, 300]), q, k, torch.randn(300, 32))

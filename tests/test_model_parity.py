@@ -52,7 +52,7 @@ def _check_against_hf(model_dir, prompt, block_size):
 
 
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_tiny_models_match_transformers(tiny_model_dir, block_size):
+def test_tiny_models_match_transformers(tiny_model_dir, block_size, cpu_level):
     prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     _check_against_hf(tiny_model_dir, prompt, block_size)
 

@@ -36,7 +36,7 @@ from backend.models.llama import check_tensor_parallel
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
-from kernels import ops_for
+from kernels import cpu as cpu_kernels, ops_for
 from kernels.metadata import cdiv
 from kernels.timing import scope
 
@@ -122,8 +122,9 @@ class LLMEngine:
         self._waste_sum = 0.0
         self.profiler = Profiler(self.platform, config.profile_dir) if config.profile_dir else None
         self._warm_up()
-        log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, self.platform.device,
-                 num_blocks, config.block_size)
+        device = f"cpu ({cpu_kernels.describe()})" if self.platform.name == "cpu" else self.platform.device
+        log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
+                 config.block_size)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if there are any."""

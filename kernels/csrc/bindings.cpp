@@ -4,7 +4,29 @@
 
 #include "ops.h"
 
+namespace {
+// The ISA this module was compiled for, as kernels/cpu_features.py names the builds: kernels/cpu.py uses a
+// module only where this agrees with the level it asked for.
+const char* compiled_isa() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#elif defined(__x86_64__)
+  return "x86_64";
+#elif defined(__aarch64__)
+  return "aarch64";
+#else
+  return "unknown";
+#endif
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("compiled_isa", &compiled_isa, "the ISA this module was compiled for");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("reshape_and_cache", &reshape_and_cache, "write new K/V rows into their cache slots, in place");
   m.def("rms_norm", &rms_norm, "RMSNorm, fused");

@@ -1,0 +1,128 @@
+"""What this CPU can do, decided once: the level every CPU kernel, weight packing and build flag asks for.
+
+The levels of an x86 CPU, lowest first:
+
+- `x86_64`: none of the below (the portable kernels only).
+- `avx2`: AVX2 and FMA (Zen 2/3, Haswell to Cascade Lake clients). oneDNN refuses bf16 here, so bf16 weights
+  are kept as fp32 and multiplied in fp32.
+- `avx512`: AVX-512 F/BW/VL/DQ (Skylake-SP, Cascade Lake): the AVX-512 decode kernel; oneDNN emulates bf16.
+- `avx512_bf16`: AVX512-BF16 too (Zen 4/5, Cooper Lake): bf16 multiplied in hardware.
+- `amx`: AMX tiles (Sapphire Rapids and later): oneDNN's bf16 matmuls run on AMX.
+
+An Arm CPU is `aarch64` (Kunpeng 920 on Atlas servers): the portable kernels, vectorized with NEON.
+
+`NPU_LLM_CPU_ISA` lowers the level (never above the host's), for every kernel choice and for the extension's
+build: how a CPU with AMX runs, and tests, the paths an AVX2-only CPU takes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+X86_LEVELS = ("x86_64", "avx2", "avx512", "avx512_bf16", "amx")
+ARM_LEVELS = ("aarch64",)
+ENV = "NPU_LLM_CPU_ISA"
+
+# The extension's builds and their GCC flags, one per level but amx: AMX is oneDNN's, so amx builds as
+# avx512_bf16. A build targets an ISA, not `-march=native`, so that a binary built on one machine runs on any of
+# its level (a home directory shared by an AMX node and an AVX2 node). 512-bit vectors made the norms and rotary
+# 15% faster on AVX-512 CPUs, where GCC would otherwise prefer 256.
+_AVX512 = ["-march=x86-64-v4", "-mprefer-vector-width=512", "-mtune=native"]
+BUILDS = {
+    "x86_64": ["-mtune=native"],
+    "avx2": ["-march=x86-64-v3", "-mtune=native"],
+    "avx512": _AVX512,
+    "avx512_bf16": [*_AVX512, "-mavx512bf16"],
+    "aarch64": [],  # armv8-a: NEON is always there, and GCC vectorizes with it
+}
+
+# What each level means for a bf16 model, for the start-up log and `doctor`.
+MEANING = {
+    "x86_64": "portable kernels; bf16 weights computed in fp32",
+    "avx2": "AVX2 kernels; bf16 weights computed in fp32 (oneDNN has no bf16 without AVX-512)",
+    "avx512": "AVX-512 kernels; bf16 weights computed in fp32 (bf16 is emulated without AVX512-BF16)",
+    "avx512_bf16": "AVX-512 kernels; bf16 matmuls in hardware (AVX512-BF16)",
+    "amx": "AVX-512 kernels; bf16 matmuls on AMX tiles",
+    "aarch64": "portable kernels with NEON; bf16 weights computed by torch",
+}
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    level: str  # the level the kernels use: the host's, or lower where NPU_LLM_CPU_ISA says so
+    host: str  # the highest level this CPU supports
+
+    def at_least(self, level: str) -> bool:
+        levels = _levels_of(self.host)
+        return level in levels and levels.index(self.level) >= levels.index(level)
+
+    @property
+    def x86(self) -> bool:
+        """Whether oneDNN's x86 matmuls pack the weights (on aarch64 torch's own F.linear runs)."""
+        return self.level in X86_LEVELS
+
+    @property
+    def onednn_bf16(self) -> bool:
+        """Whether oneDNN's bf16 reorder and matmul run (they need AVX512BW/VL/DQ on x86)."""
+        return self.at_least("avx512")
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bf16 is multiplied in hardware (AVX512-BF16 or AMX)."""
+        return self.at_least("avx512_bf16")
+
+    @property
+    def build(self) -> str:
+        """The extension build this level runs (a key of BUILDS)."""
+        return "avx512_bf16" if self.level == "amx" else self.level
+
+    def describe(self) -> str:
+        lowered = f", lowered from {self.host} by {ENV}" if self.level != self.host else ""
+        return f"CPU level {self.level}{lowered}: {MEANING[self.level]}"
+
+
+def _levels_of(level: str) -> tuple[str, ...]:
+    return ARM_LEVELS if level in ARM_LEVELS else X86_LEVELS
+
+
+def host_level() -> str:
+    """The highest level this CPU supports (cpuinfo, through torch; ATEN_CPU_CAPABILITY does not change it)."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return "aarch64"
+    if machine not in ("x86_64", "amd64"):
+        raise RuntimeError(f"unsupported CPU architecture {machine!r}: npu-llm's CPU kernels know x86_64 and aarch64")
+    if torch.cpu._is_avx512_supported():  # F, BW, VL and DQ
+        if torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported():
+            return "amx"
+        return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+    return "avx2" if torch.cpu._is_avx2_supported() else "x86_64"
+
+
+def levels_up_to_host() -> tuple[str, ...]:
+    """Every level this machine can run, lowest first (what the tests run each CPU kernel at)."""
+    host = host_level()
+    levels = _levels_of(host)
+    up_to_host = levels[: levels.index(host) + 1]
+    # x86_64 alone where it is the host's: above it, avx2 runs the same portable kernels, vectorized
+    return up_to_host[1:] if len(up_to_host) > 1 and up_to_host[0] == "x86_64" else up_to_host
+
+
+@functools.cache
+def cpu_features() -> CpuFeatures:
+    """This process's CPU level, decided at the first call (tests clear the cache to change it)."""
+    host = host_level()
+    asked = os.environ.get(ENV, "").strip().lower()
+    if not asked:
+        return CpuFeatures(host, host)
+    levels = _levels_of(host)
+    if asked not in levels:
+        raise ValueError(f"{ENV}={asked!r}: expected one of {', '.join(levels)}")
+    if levels.index(asked) > levels.index(host):
+        raise ValueError(f"{ENV}={asked}: this CPU's level is {host}, and a level above it would run "
+                         "instructions the CPU does not have")
+    return CpuFeatures(asked, host)
