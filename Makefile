@@ -31,17 +31,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	&& wait $$!
 	touch $@
 
-# The browser test drives Debian's Chromium (Playwright's own browser download does not work here).
-CHROMIUM := /usr/bin/chromium
-$(CHROMIUM):
-	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+# The test suite's Debian packages, in one apt run: Chromium for the browser test (Playwright's own browser
+# download does not work here), and the aarch64 cross-compiler that checks the CPU kernels build for Kunpeng.
+TEST_TOOLS := /usr/bin/chromium /usr/bin/aarch64-linux-gnu-g++
+$(TEST_TOOLS) &:
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium g++-aarch64-linux-gnu
 
 install: $(STAMP)
 
 up: install
 	$(BIN)/npu-llm up
 
-test: install $(CHROMIUM)
+test: install $(TEST_TOOLS)
 	$(BIN)/python -m pytest
 
 # Start Triton + gateway, run a one-minute load through the gateway, write artifacts/loadtest/report.html, stop.

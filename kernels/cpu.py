@@ -78,9 +78,13 @@ def native_bf16() -> bool:
     return cpu_features().native_bf16
 
 
-# Below this many rows a matmul is bound by streaming its weights, not by arithmetic (a decode step
-# of one or two sequences): there the bf16 copy, half the bytes, is faster than fp32 (measured 1.2-2.4x).
+# Below so many rows a matmul is bound by streaming its weights, not by arithmetic (a decode step of one or
+# a few sequences): there bf16 weights, half the bytes, beat fp32 ones. With AVX-512, oneDNN's bf16 packing
+# was 1.2-2.4x faster than fp32 below 4 rows. Without it (oneDNN has no bf16 there), torch's own bf16 F.linear
+# was 1.25-1.6x faster than fp32-packed at 1 row, level at 2 and slower above (measured with ATEN_CPU_CAPABILITY=avx2
+# and ONEDNN_MAX_CPU_ISA=AVX2, SmolLM2's matmuls).
 FEW_ROWS = 4
+FEW_ROWS_AVX2 = 2
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -90,10 +94,10 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     F.linear at decode batch sizes, a little faster at prefill sizes, bit-identical results. Elsewhere
     the weights are packed as fp32 and `linear` runs in fp32: like a bf16 GEMM it accumulates in fp32 and
     rounds the output to bf16 once, so results agree with F.linear to bf16 rounding (summation order aside).
-    With AVX-512 (oneDNN emulates bf16 at about a quarter of its fp32 speed) that packed tensor carries the
-    bf16 packing too, as `few_rows`, for calls of fewer than FEW_ROWS rows: three times the bf16 weights'
-    memory in all. Without AVX-512 oneDNN has no bf16 at all (its reorder refuses to run), so every call
-    takes the fp32 packing. On aarch64 the weights stay as they are, for torch's F.linear.
+    That packed tensor carries bf16 weights too, as `few_rows`, for calls of fewer than `few_rows_below` rows:
+    with AVX-512 oneDNN's bf16 packing (emulated bf16, about a quarter of oneDNN's fp32 speed on big calls);
+    without it, where oneDNN refuses bf16 (its reorder raises), the weights as they are, for torch's F.linear.
+    Three times the bf16 weights' memory in all. On aarch64 the weights stay as they are, for F.linear.
     """
     features = cpu_features()
     if (weight.dtype != torch.bfloat16 or not features.x86 or not torch.backends.mkldnn.is_available()
@@ -103,15 +107,17 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     fp32 = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
     if features.onednn_bf16:
-        fp32.few_rows = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        fp32.few_rows, fp32.few_rows_below = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), FEW_ROWS
+    else:
+        fp32.few_rows, fp32.few_rows_below = weight.contiguous(), FEW_ROWS_AVX2
     return fp32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
-    if weight.dtype != x.dtype and x.numel() < FEW_ROWS * x.shape[-1] and hasattr(weight, "few_rows"):
-        weight = weight.few_rows
+    if weight.dtype != x.dtype and x.numel() < weight.few_rows_below * x.shape[-1]:
+        return linear(x, weight.few_rows, bias)
     if weight.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
     # fp32-packed weights of a bf16 model (see pack_linear_weight)

@@ -115,8 +115,12 @@ def levels_up_to_host() -> tuple[str, ...]:
 @functools.cache
 def cpu_features() -> CpuFeatures:
     """This process's CPU level, decided at the first call (tests clear the cache to change it)."""
-    host = host_level()
-    asked = os.environ.get(ENV, "").strip().lower()
+    return choose(host_level(), os.environ.get(ENV, ""))
+
+
+def choose(host: str, asked: str) -> CpuFeatures:
+    """The level `asked` (NPU_LLM_CPU_ISA's value; empty for the host's) on a CPU whose level is `host`."""
+    asked = asked.strip().lower()
     if not asked:
         return CpuFeatures(host, host)
     levels = _levels_of(host)

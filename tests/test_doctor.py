@@ -28,6 +28,19 @@ def test_cpu_machine_passes_with_warnings():
     assert " OK " in _row(run.stdout, "serving layout") and "1 engine x TP 1 = 1 rank on the cpu" in run.stdout
 
 
+def test_the_cpu_level_and_its_kernels_are_shown():
+    from kernels.cpu_features import ENV, host_level
+
+    run = _doctor()
+    assert f"CPU level {host_level()}" in _row(run.stdout, "CPU level") and " OK " in _row(run.stdout, "CPU level")
+    assert " OK " in _row(run.stdout, "CPU kernels") and "build of kernels/csrc loaded" in run.stdout
+    off = _doctor(env={"NPU_LLM_CPU_KERNELS": "0"})
+    assert " WARN " in _row(off.stdout, "CPU kernels") and "not in use: NPU_LLM_CPU_KERNELS=0" in off.stdout
+    wrong = _doctor(env={ENV: "sse4"})
+    assert wrong.returncode == 1 and " FAIL " in _row(wrong.stdout, "CPU level")
+    assert f"fix: unset {ENV}" in wrong.stdout
+
+
 def test_missing_model_fails_with_a_fix():
     run = _doctor("--model", "/no/such/model")
     assert run.returncode == 1

@@ -157,7 +157,7 @@ def test_rotary_matches_transformers():
     torch.testing.assert_close(ours_k, hf_k[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("rows", [1, 3, 5, 300])
 def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
     weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
@@ -169,15 +169,16 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
     if features.native_bf16:  # bf16 GEMM from packed weights: bit-identical
         assert packed.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
-    elif features.onednn_bf16 and rows < cpu.FEW_ROWS:  # a single row streams the bf16 twin: bit-identical
+    elif rows < packed.few_rows_below:  # a row or few stream the bf16 twin of the fp32 packing: bit-identical
         assert packed.dtype == torch.float32 and packed.few_rows.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
     else:  # fp32 GEMM from fp32-packed weights, rounded to bf16 once: fp32's result to within one bf16 rounding
         assert packed.dtype == torch.float32
-        # below AVX-512 oneDNN refuses bf16 (its reorder raises there): no bf16 packing may be kept
-        assert features.onednn_bf16 or not hasattr(packed, "few_rows")
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)
+    if not features.native_bf16:
+        # below AVX-512 oneDNN refuses bf16 (its reorder raises there): the bf16 twin is torch's plain tensor
+        assert packed.few_rows.is_mkldnn == features.onednn_bf16
     assert cpu.pack_linear_weight(weight.float()) is not None and not cpu.pack_linear_weight(weight.float()).is_mkldnn
 
 
