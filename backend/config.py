@@ -38,7 +38,7 @@ class EngineConfig:
     max_seq_len_to_capture: int = 8192  # decode batches holding a longer sequence run eagerly
     seed: int = 0
     profile_dir: str | None = None  # where start_profile / stop_profile write traces and step breakdowns
-    tensor_parallel_size: int = 1  # ranks the model is sharded over (README: Tensor parallel)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (docs/parallelism.md)
     distributed_executor_backend: str = "mp"  # how the other ranks start: local processes, or "ray" actors
 
     def __post_init__(self):

@@ -1,4 +1,4 @@
-"""What the README promises of the gateway's settings and hardening, against a real gateway process (in front
+"""What docs/serving.md promises of the gateway's settings and hardening, against a real gateway process (in front
 of the session's tritonserver): the API key from the environment, CORS, body limits, health, its own metrics."""
 from __future__ import annotations
 

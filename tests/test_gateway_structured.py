@@ -215,7 +215,7 @@ def test_a_triton_client_gets_constrained_output_without_the_gateway(triton_serv
     body = {"text_input": "A person as JSON:", "parameters": {"temperature": 0, "max_tokens": 80,
                                                               "structured_outputs": json.dumps({"json": schema})}}
     text = json.loads(_http_post(triton_server, "/v2/models/llm/generate", body))["text_output"]
-    jsonschema.validate(json.loads(text.removeprefix(body["text_input"])), schema)  # HTTP generate, as in the README
+    jsonschema.validate(json.loads(text.removeprefix(body["text_input"])), schema)  # HTTP generate, as in docs/serving.md
     bad = _grpc_generate(triton_server, "x", {"structured_outputs": json.dumps({"regex": "(ab"})})
     assert bad.errors and "structured_outputs.regex" in bad.errors[0]
 

@@ -171,7 +171,7 @@ def test_a_start_that_fails_after_the_workers_started_leaves_none_behind(tiny_ll
 
 
 def test_bench_throughput_runs_tensor_parallel_and_profiles_its_collectives(tiny_llama, default_model_dir, tmp_path):
-    """`npu-llm bench throughput --engine-arg tensor_parallel_size=2 --profile DIR`, as the README measures TP's
+    """`npu-llm bench throughput --engine-arg tensor_parallel_size=2 --profile DIR`, as docs/parallelism.md measures TP's
     overhead: it runs, and the profile's "TP all-reduce, all-gather" row holds time, within the step total."""
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "bench", "throughput", "--model", str(tiny_llama), "--tokenizer",

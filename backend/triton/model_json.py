@@ -35,7 +35,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
 class ModelJson:
     config: EngineConfig
     disable_log_stats: bool = False  # vLLM's switch for the engine's metrics (vllm_backend honours it too)
-    # engines, one per Triton model instance, each on its own tensor_parallel_size devices (README: Data parallel)
+    # engines, one per Triton model instance, each on its own tensor_parallel_size devices (docs/parallelism.md)
     data_parallel_size: int = 1
 
     @property
