@@ -178,9 +178,13 @@ def check_cpu() -> list[Check]:
     reason = cpu.unavailable_reason()
     if reason is None:
         return [level, Check("CPU kernels", OK, f"the {features.build} build of kernels/csrc loaded")]
-    return [level, Check("CPU kernels", WARN, f"not in use: {reason}",
-                         "unset NPU_LLM_CPU_KERNELS" if reason.startswith("NPU_LLM_CPU_KERNELS") else
-                         "install g++ and ninja (pip install ninja); the portable PyTorch kernels run meanwhile")]
+    if reason.startswith("NPU_LLM_CPU_KERNELS"):
+        fix = "unset NPU_LLM_CPU_KERNELS"
+    elif "build failed" in reason:
+        fix = "install g++ and ninja (pip install ninja); the portable PyTorch kernels run meanwhile"
+    else:  # a build directory holding another ISA's binary
+        fix = "delete that build's directory under TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions): it is rebuilt"
+    return [level, Check("CPU kernels", WARN, f"not in use: {reason}", fix)]
 
 
 def check_tritonserver() -> Check:

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,14 @@ SOURCES = sorted(CSRC.glob("*.cpp"))
 COMMON_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
+class Build(NamedTuple):
+    module: object | None  # the extension, or None
+    reason: str | None  # why there is no module (None where there is)
+
+
 @functools.cache
-def build(name: str):
-    """(the extension built for one of cpu_features.BUILDS, None), or (None, why it is not there).
+def load_build(name: str) -> Build:
+    """The extension built for one of cpu_features.BUILDS, built first where the cache has none.
 
     Each build is its own module, npu_llm_cpu_kernels_<name>, in its own build directory: a cache shared by
     machines of different levels never hands one of them another's binary. The module says which ISA it was
@@ -49,42 +55,38 @@ def build(name: str):
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, unsupported platform
-        reason = f"the {name} build failed: {type(e).__name__}: {str(e).strip()[-300:]}"
-        log.warning("CPU kernels unavailable (%s); using the portable PyTorch path", reason)
-        return None, reason
+        return _unavailable(f"the {name} build failed: {type(e).__name__}: {str(e).strip()[-300:]}")
     if module.compiled_isa() != name:
-        reason = f"{module.__file__} was compiled for {module.compiled_isa()}, not {name}"
-        log.warning("CPU kernels unavailable (%s); using the portable PyTorch path", reason)
-        return None, reason
-    return module, None
+        return _unavailable(f"{module.__file__} was compiled for {module.compiled_isa()}, not {name}")
+    return Build(module, None)
+
+
+def _unavailable(reason: str) -> Build:
+    log.warning("CPU kernels unavailable (%s); using the portable PyTorch path", reason)
+    return Build(None, reason)
 
 
 def compiled():
     """The extension built for this process's CPU level, or None where it cannot be built."""
     if not _enabled():
         return None
-    return build(cpu_features().build)[0]
+    return load_build(cpu_features().build).module
 
 
 def unavailable_reason() -> str | None:
     """Why the extension is not in use, or None where it is."""
     if not _enabled():
         return "NPU_LLM_CPU_KERNELS=0"
-    return build(cpu_features().build)[1]
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), at the level in use."""
-    return cpu_features().native_bf16
+    return load_build(cpu_features().build).reason
 
 
 # Below so many rows a matmul is bound by streaming its weights, not by arithmetic (a decode step of one or
 # a few sequences): there bf16 weights, half the bytes, beat fp32 ones. With AVX-512, oneDNN's bf16 packing
 # was 1.2-2.4x faster than fp32 below 4 rows. Without it (oneDNN has no bf16 there), torch's own bf16 F.linear
-# was 1.25-1.6x faster than fp32-packed at 1 row, level at 2 and slower above (measured with ATEN_CPU_CAPABILITY=avx2
-# and ONEDNN_MAX_CPU_ISA=AVX2, SmolLM2's matmuls).
+# was 1.25-1.6x faster than fp32-packed at 1 row, level at 2 and slower above (SmolLM2's matmuls, measured with
+# ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2).
 FEW_ROWS = 4
-FEW_ROWS_AVX2 = 2
+FEW_ROWS_WITHOUT_ONEDNN_BF16 = 2
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -107,9 +109,10 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     fp32 = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
     if features.onednn_bf16:
-        fp32.few_rows, fp32.few_rows_below = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), FEW_ROWS
+        fp32.few_rows = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        fp32.few_rows_below = FEW_ROWS
     else:
-        fp32.few_rows, fp32.few_rows_below = weight.contiguous(), FEW_ROWS_AVX2
+        fp32.few_rows, fp32.few_rows_below = weight.contiguous(), FEW_ROWS_WITHOUT_ONEDNN_BF16
     return fp32
 
 

@@ -3,13 +3,15 @@
 The levels of an x86 CPU, lowest first:
 
 - `x86_64`: none of the below (the portable kernels only).
-- `avx2`: AVX2 and FMA (Zen 2/3, Haswell to Cascade Lake clients). oneDNN refuses bf16 here, so bf16 weights
-  are kept as fp32 and multiplied in fp32.
+- `avx2`: AVX2 and FMA (Zen 2/3, Intel's AVX2 cores since Haswell). oneDNN refuses bf16 here (torch's bf16
+  path needs AVX512BW/VL/DQ, or AVX-NE-CONVERT, which this level does not count on), so bf16 weights are kept
+  as fp32 and multiplied in fp32.
 - `avx512`: AVX-512 F/BW/VL/DQ (Skylake-SP, Cascade Lake): the AVX-512 decode kernel; oneDNN emulates bf16.
 - `avx512_bf16`: AVX512-BF16 too (Zen 4/5, Cooper Lake): bf16 multiplied in hardware.
 - `amx`: AMX tiles (Sapphire Rapids and later): oneDNN's bf16 matmuls run on AMX.
 
-An Arm CPU is `aarch64` (Kunpeng 920 on Atlas servers): the portable kernels, vectorized with NEON.
+An Arm CPU is `aarch64` (Kunpeng 920 on Atlas servers): the portable kernels, vectorized with NEON. Any other
+architecture is `portable`: the portable kernels, built with the compiler's defaults.
 
 `NPU_LLM_CPU_ISA` lowers the level (never above the host's), for every kernel choice and for the extension's
 build: how a CPU with AMX runs, and tests, the paths an AVX2-only CPU takes.
@@ -25,19 +27,23 @@ import torch
 
 X86_LEVELS = ("x86_64", "avx2", "avx512", "avx512_bf16", "amx")
 ARM_LEVELS = ("aarch64",)
+OTHER_LEVELS = ("portable",)
 ENV = "NPU_LLM_CPU_ISA"
 
 # The extension's builds and their GCC flags, one per level but amx: AMX is oneDNN's, so amx builds as
-# avx512_bf16. A build targets an ISA, not `-march=native`, so that a binary built on one machine runs on any of
-# its level (a home directory shared by an AMX node and an AVX2 node). 512-bit vectors made the norms and rotary
-# 15% faster on AVX-512 CPUs, where GCC would otherwise prefer 256.
-_AVX512 = ["-march=x86-64-v4", "-mprefer-vector-width=512", "-mtune=native"]
+# avx512_bf16. A build names the instruction sets of its level, not `-march=native`, so that a binary built on one
+# machine runs on any of its level (a home directory shared by an AMX node and an AVX2 node); and only those the
+# level checks for (not x86-64-v3's BMI2 or MOVBE, say, which a VM may hide). 512-bit vectors made the norms and
+# rotary 15% faster on AVX-512 CPUs, where GCC would otherwise prefer 256.
+_AVX2 = ["-march=x86-64", "-mavx2", "-mfma", "-mtune=native"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
 BUILDS = {
-    "x86_64": ["-mtune=native"],
-    "avx2": ["-march=x86-64-v3", "-mtune=native"],
+    "x86_64": ["-march=x86-64", "-mtune=native"],
+    "avx2": _AVX2,
     "avx512": _AVX512,
     "avx512_bf16": [*_AVX512, "-mavx512bf16"],
     "aarch64": [],  # armv8-a: NEON is always there, and GCC vectorizes with it
+    "portable": [],
 }
 
 # What each level means for a bf16 model, for the start-up log and `doctor`.
@@ -48,6 +54,7 @@ MEANING = {
     "avx512_bf16": "AVX-512 kernels; bf16 matmuls in hardware (AVX512-BF16)",
     "amx": "AVX-512 kernels; bf16 matmuls on AMX tiles",
     "aarch64": "portable kernels with NEON; bf16 weights computed by torch",
+    "portable": "portable kernels; bf16 weights computed by torch",
 }
 
 
@@ -67,13 +74,14 @@ class CpuFeatures:
 
     @property
     def onednn_bf16(self) -> bool:
-        """Whether oneDNN's bf16 reorder and matmul run (they need AVX512BW/VL/DQ on x86)."""
-        return self.at_least("avx512")
+        """Whether oneDNN's bf16 reorder and matmul run: AVX512BW/VL/DQ, and torch's own check agrees (it says no
+        where ONEDNN_MAX_CPU_ISA holds oneDNN below AVX-512)."""
+        return self.at_least("avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
     @property
     def native_bf16(self) -> bool:
         """Whether bf16 is multiplied in hardware (AVX512-BF16 or AMX)."""
-        return self.at_least("avx512_bf16")
+        return self.at_least("avx512_bf16") and self.onednn_bf16
 
     @property
     def build(self) -> str:
@@ -86,7 +94,7 @@ class CpuFeatures:
 
 
 def _levels_of(level: str) -> tuple[str, ...]:
-    return ARM_LEVELS if level in ARM_LEVELS else X86_LEVELS
+    return next(levels for levels in (X86_LEVELS, ARM_LEVELS, OTHER_LEVELS) if level in levels)
 
 
 def host_level() -> str:
@@ -95,7 +103,7 @@ def host_level() -> str:
     if machine in ("aarch64", "arm64"):
         return "aarch64"
     if machine not in ("x86_64", "amd64"):
-        raise RuntimeError(f"unsupported CPU architecture {machine!r}: npu-llm's CPU kernels know x86_64 and aarch64")
+        return "portable"
     if torch.cpu._is_avx512_supported():  # F, BW, VL and DQ
         if torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported():
             return "amx"
@@ -110,6 +118,16 @@ def levels_up_to_host() -> tuple[str, ...]:
     up_to_host = levels[: levels.index(host) + 1]
     # x86_64 alone where it is the host's: above it, avx2 runs the same portable kernels, vectorized
     return up_to_host[1:] if len(up_to_host) > 1 and up_to_host[0] == "x86_64" else up_to_host
+
+
+def distinct_levels_up_to_host() -> tuple[str, ...]:
+    """levels_up_to_host less the levels that choose exactly what a higher one does (on this host avx512_bf16 and
+    amx may both be one build with the same packings): the levels a test suite needs to run."""
+    chosen: dict[tuple, str] = {}
+    for level in levels_up_to_host():
+        features = CpuFeatures(level, host_level())
+        chosen[(features.build, features.onednn_bf16, features.native_bf16)] = level
+    return tuple(chosen.values())
 
 
 @functools.cache

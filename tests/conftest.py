@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_features import ENV, cpu_features, levels_up_to_host
+from kernels.cpu_features import ENV, cpu_features, distinct_levels_up_to_host
 
 # A stand-in for torch_npu (no Ascend hardware here): only tests put it on the path.
 FAKE_TORCH_NPU = Path(__file__).parent / "fake_torch_npu"
@@ -18,7 +18,7 @@ FAKE_TORCH_NPU = Path(__file__).parent / "fake_torch_npu"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-CPU_LEVELS = levels_up_to_host()
+CPU_LEVELS = distinct_levels_up_to_host()
 
 
 @contextlib.contextmanager

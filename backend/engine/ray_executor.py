@@ -20,7 +20,7 @@ from backend.platform import VISIBLE_DEVICES
 
 # What the ranks need from the engine's environment: an actor starts from its raylet's environment, not ours.
 PASSED_ENV = ("NPU_LLM_DISTRIBUTED_TIMEOUT_S", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_IF_IP",
-              "HCCL_SOCKET_IFNAME", "HCCL_CONNECT_TIMEOUT")
+              "HCCL_SOCKET_IFNAME", "HCCL_CONNECT_TIMEOUT", "NPU_LLM_CPU_ISA", "NPU_LLM_CPU_KERNELS")
 
 
 # Ray's resource for each accelerator (it shows a rank its device through platform.VISIBLE_DEVICES).

@@ -20,7 +20,7 @@ const char* compiled_isa() {
 #elif defined(__aarch64__)
   return "aarch64";
 #else
-  return "unknown";
+  return "portable";
 #endif
 }
 }  // namespace
