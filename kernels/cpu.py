@@ -82,11 +82,13 @@ def unavailable_reason() -> str | None:
 
 # Below so many rows a matmul is bound by streaming its weights, not by arithmetic (a decode step of one or
 # a few sequences): there bf16 weights, half the bytes, beat fp32 ones. With AVX-512, oneDNN's bf16 packing
-# was 1.2-2.4x faster than fp32 below 4 rows. Without it (oneDNN has no bf16 there), torch's own bf16 F.linear
-# was 1.25-1.6x faster than fp32-packed at 1 row, level at 2 and slower above (SmolLM2's matmuls, measured with
-# ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2).
+# was 1.2-2.4x faster than fp32 below 4 rows. Without it (oneDNN has no bf16 there) the AVX2 kernel
+# csrc/linear_bf16_avx2.cpp was 1.1-2x faster than fp32-packed weights at 1 to 4 rows, and torch's own bf16
+# F.linear, where that kernel is not built, 1.25-1.6x at 1 row, level at 2 and slower above (SmolLM2's matmuls,
+# measured with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2).
 FEW_ROWS = 4
-FEW_ROWS_WITHOUT_ONEDNN_BF16 = 2
+FEW_ROWS_AVX2_KERNEL = 5
+FEW_ROWS_TORCH_BF16 = 2
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -98,8 +100,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     rounds the output to bf16 once, so results agree with F.linear to bf16 rounding (summation order aside).
     That packed tensor carries bf16 weights too, as `few_rows`, for calls of fewer than `few_rows_below` rows:
     with AVX-512 oneDNN's bf16 packing (emulated bf16, about a quarter of oneDNN's fp32 speed on big calls);
-    without it, where oneDNN refuses bf16 (its reorder raises), the weights as they are, for torch's F.linear.
-    Three times the bf16 weights' memory in all. On aarch64 the weights stay as they are, for F.linear.
+    without it, where oneDNN refuses bf16 (its reorder raises), the weights as they are, for the AVX2 kernel
+    (or torch's F.linear). Three times the bf16 weights' memory in all. On aarch64 the weights stay as they
+    are, for F.linear.
     """
     features = cpu_features()
     if (weight.dtype != torch.bfloat16 or not features.x86 or not torch.backends.mkldnn.is_available()
@@ -112,7 +115,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         fp32.few_rows = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         fp32.few_rows_below = FEW_ROWS
     else:
-        fp32.few_rows, fp32.few_rows_below = weight.contiguous(), FEW_ROWS_WITHOUT_ONEDNN_BF16
+        fp32.few_rows = weight.contiguous()
+        fp32.few_rows_below = FEW_ROWS_AVX2_KERNEL if _avx2_linear() else FEW_ROWS_TORCH_BF16
     return fp32
 
 
@@ -120,12 +124,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     if weight.dtype != x.dtype and x.numel() < weight.few_rows_below * x.shape[-1]:
-        return linear(x, weight.few_rows, bias)
+        if weight.few_rows.is_mkldnn or not _avx2_linear():
+            return linear(x, weight.few_rows, bias)
+        return _avx2_linear()(x, weight.few_rows, bias)
     if weight.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
     # fp32-packed weights of a bf16 model (see pack_linear_weight)
     bias = None if bias is None else bias.float()
     return torch.ops.mkldnn._linear_pointwise(x.float(), weight, bias, "none", [None], "").to(x.dtype)
+
+
+def _avx2_linear():
+    """csrc/linear_bf16_avx2.cpp's few-rows matmul on bf16 weights, where this level's build has it, else None."""
+    ext = _extension()
+    return ext.linear_bf16_weights if ext is not None and ext.has_linear_bf16_weights() else None
 
 
 def _extension():

@@ -169,10 +169,11 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
     if features.native_bf16:  # bf16 GEMM from packed weights: bit-identical
         assert packed.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
-    elif rows < packed.few_rows_below:  # a row or few stream the bf16 twin of the fp32 packing: bit-identical
+    elif rows < packed.few_rows_below and packed.few_rows.is_mkldnn:  # oneDNN's bf16 twin: bit-identical
         assert packed.dtype == torch.float32 and packed.few_rows.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
-    else:  # fp32 GEMM from fp32-packed weights, rounded to bf16 once: fp32's result to within one bf16 rounding
+    else:  # fp32 math (fp32-packed weights, or the AVX2 kernel on the bf16 twin), rounded to bf16 once: fp32's
+        # result to within one bf16 rounding
         assert packed.dtype == torch.float32
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)
@@ -180,6 +181,26 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
         # below AVX-512 oneDNN refuses bf16 (its reorder raises there): the bf16 twin is torch's plain tensor
         assert packed.few_rows.is_mkldnn == features.onednn_bf16
     assert cpu.pack_linear_weight(weight.float()) is not None and not cpu.pack_linear_weight(weight.float()).is_mkldnn
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 96), (2, 70, 7), (3, 576, 963), (4, 8, 1)])
+def test_avx2_linear_on_bf16_weights_is_fp32_math_rounded_once(rows, k, n, cpu_level):
+    """csrc/linear_bf16_avx2.cpp, the few-rows matmul of CPUs without oneDNN bf16: K not a multiple of 8 and N not
+    of the tile height too, a 3-d input, a bias; more than 4 rows are refused, not computed wrong."""
+    ext = cpu.compiled()
+    if not ext.has_linear_bf16_weights():
+        assert cpu_level not in ("avx2", "avx512", "avx512_bf16", "amx")  # every build from avx2 up has it
+        return
+    torch.manual_seed(rows * k)
+    x, weight, bias = torch.randn(1, rows, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    ours = ext.linear_bf16_weights(x, weight, bias)
+    assert ours.shape == (1, rows, n) and ours.dtype == torch.bfloat16
+    exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(ext.linear_bf16_weights(x[0], weight).double(), exact[0] - bias.double(),
+                               rtol=2**-8, atol=1e-5)
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        ext.linear_bf16_weights(torch.randn(5, k).bfloat16(), weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -31,3 +32,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
                                          const at::Tensor& cos_sin_cache);
+// x [.., K] (at most 4 rows) times bf16 weight [N, K]^T (+ bias), in fp32, rounded to bf16 once; AVX2 builds only
+// (has_linear_bf16_weights says whether this build has it).
+at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+bool has_linear_bf16_weights();
