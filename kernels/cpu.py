@@ -81,13 +81,15 @@ def unavailable_reason() -> str | None:
 
 
 # Below so many rows a matmul is bound by streaming its weights, not by arithmetic (a decode step of one or
-# a few sequences): there bf16 weights, half the bytes, beat fp32 ones. With AVX-512, oneDNN's bf16 packing
-# was 1.2-2.4x faster than fp32 below 4 rows. Without it (oneDNN has no bf16 there) the AVX2 kernel
-# csrc/linear_bf16_avx2.cpp was 1.1-2x faster than fp32-packed weights at 1 to 4 rows, and torch's own bf16
-# F.linear, where that kernel is not built, 1.25-1.6x at 1 row, level at 2 and slower above (SmolLM2's matmuls,
-# measured with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2).
-FEW_ROWS = 4
+# a few sequences): there bf16 weights, half the bytes, beat fp32 ones. Measured on SmolLM2's matmuls, with
+# ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA holding torch and oneDNN to AVX2 or to AVX-512 without bf16: the
+# AVX2 kernel csrc/linear_bf16_avx2.cpp on bf16 weights was 1.1-2x faster than fp32-packed weights at 1 to 4
+# rows, and 1-6x faster than oneDNN's emulated bf16 (decode of 2 and 4 sequences: 1.35-1.7x end to end). Where
+# that kernel is not built, oneDNN's bf16 packing takes up to 3 rows with AVX-512 (measured 1.2-2.4x faster than
+# fp32 on a Xeon without bf16 hardware), and torch's own bf16 F.linear 1 row without (1.25-1.6x faster than
+# fp32-packed weights there, level at 2 rows and slower above).
 FEW_ROWS_AVX2_KERNEL = 5
+FEW_ROWS = 4
 FEW_ROWS_TORCH_BF16 = 2
 
 
@@ -98,11 +100,11 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     F.linear at decode batch sizes, a little faster at prefill sizes, bit-identical results. Elsewhere
     the weights are packed as fp32 and `linear` runs in fp32: like a bf16 GEMM it accumulates in fp32 and
     rounds the output to bf16 once, so results agree with F.linear to bf16 rounding (summation order aside).
-    That packed tensor carries bf16 weights too, as `few_rows`, for calls of fewer than `few_rows_below` rows:
-    with AVX-512 oneDNN's bf16 packing (emulated bf16, about a quarter of oneDNN's fp32 speed on big calls);
-    without it, where oneDNN refuses bf16 (its reorder raises), the weights as they are, for the AVX2 kernel
-    (or torch's F.linear). Three times the bf16 weights' memory in all. On aarch64 the weights stay as they
-    are, for F.linear.
+    That packed tensor carries bf16 weights too, as `few_rows`, for calls of fewer than `few_rows_below` rows
+    (see FEW_ROWS_AVX2_KERNEL): the weights as they are, for the AVX2 kernel (or torch's F.linear where it is
+    not built); without that kernel but with AVX-512, oneDNN's bf16 packing. Below AVX-512 oneDNN refuses bf16
+    (its reorder raises), so no oneDNN bf16 packing is made there. Three times the bf16 weights' memory in all.
+    On aarch64 the weights stay as they are, for F.linear.
     """
     features = cpu_features()
     if (weight.dtype != torch.bfloat16 or not features.x86 or not torch.backends.mkldnn.is_available()
@@ -111,12 +113,13 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     if features.native_bf16:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     fp32 = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
-    if features.onednn_bf16:
+    if _avx2_linear():
+        fp32.few_rows, fp32.few_rows_below = weight.contiguous(), FEW_ROWS_AVX2_KERNEL
+    elif features.onednn_bf16:
         fp32.few_rows = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         fp32.few_rows_below = FEW_ROWS
     else:
-        fp32.few_rows = weight.contiguous()
-        fp32.few_rows_below = FEW_ROWS_AVX2_KERNEL if _avx2_linear() else FEW_ROWS_TORCH_BF16
+        fp32.few_rows, fp32.few_rows_below = weight.contiguous(), FEW_ROWS_TORCH_BF16
     return fp32
 
 
@@ -135,7 +138,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _avx2_linear():
-    """csrc/linear_bf16_avx2.cpp's few-rows matmul on bf16 weights, where this level's build has it, else None."""
+    """csrc/linear_bf16_avx2.cpp's few-rows matmul on bf16 weights, where this level's build has it (every x86
+    build from avx2 up), else None."""
     ext = _extension()
     return ext.linear_bf16_weights if ext is not None and ext.has_linear_bf16_weights() else None
 
