@@ -66,13 +66,15 @@ def test_a_dataset_load_sends_its_conversations(gateway, default_model_dir, tmp_
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "backend.cli", "loadtest", "--target", "gateway", "--host", gateway, "--users", "2",
-         "--spawn-rate", "2", "--run-time", "3s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "1:2",
+         "--spawn-rate", "2", "--run-time", "10s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "1:2",
          "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     tokenizer = load_tokenizer(default_model_dir)
     lengths = {len(chat_prompt_ids(tokenizer, c)) for c in CONVERSATIONS}
-    assert len(records) >= 8 and not [r for r in records if r["error"]]  # short answers: many requests
+    # the users' shared prompt source is seeded: its fifth draw is the first of the other conversation, so six
+    # requests hold both (10 s leaves room for a slow machine: 2 requests in 3 s were seen on a cold gateway)
+    assert len(records) >= 6 and not [r for r in records if r["error"]]
     assert {r["prompt_tokens"] for r in records} == lengths  # each conversation, and nothing else
     assert all(1 <= r["output_tokens"] <= 2 for r in records)
