@@ -14,7 +14,6 @@ import pytest
 
 from kernels import cpu
 from kernels.cpu_features import ENV, X86_LEVELS, choose, cpu_features, host_level
-from tests.conftest import CPU_LEVELS
 
 
 def test_the_knob_lowers_the_level_and_never_raises_it():
