@@ -127,9 +127,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     if weight.dtype != x.dtype and x.numel() < weight.few_rows_below * x.shape[-1]:
-        if weight.few_rows.is_mkldnn or not _avx2_linear():
-            return linear(x, weight.few_rows, bias)
-        return _avx2_linear()(x, weight.few_rows, bias)
+        few_rows = weight.few_rows
+        kernel = None if few_rows.is_mkldnn else _avx2_linear()
+        return kernel(x, few_rows, bias) if kernel else linear(x, few_rows, bias)
     if weight.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
     # fp32-packed weights of a bf16 model (see pack_linear_weight)
@@ -206,6 +206,6 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 def describe() -> str:
     """The CPU level and what runs at it, for the start-up log and `doctor`."""
-    reason = unavailable_reason()
-    kernels = f"C++ kernels: the {cpu_features().build} build" if reason is None else f"no C++ kernels ({reason})"
-    return f"{cpu_features().describe()}; {kernels}"
+    features, reason = cpu_features(), unavailable_reason()
+    kernels = f"C++ kernels: the {features.build} build" if reason is None else f"no C++ kernels ({reason})"
+    return f"{features.describe()}; {kernels}"

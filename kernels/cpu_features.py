@@ -51,7 +51,7 @@ BUILDS = {
 MEANING = {
     "x86_64": "portable kernels; bf16 weights computed in fp32",
     "avx2": "AVX2 kernels; bf16 weights computed in fp32 (oneDNN has no bf16 without AVX-512)",
-    "avx512": "AVX-512 kernels; bf16 weights computed in fp32 (bf16 is emulated without AVX512-BF16)",
+    "avx512": "AVX-512 kernels; bf16 weights computed in fp32 (no bf16 hardware)",
     "avx512_bf16": "AVX-512 kernels; bf16 matmuls in hardware (AVX512-BF16)",
     "amx": "AVX-512 kernels; bf16 matmuls on AMX tiles",
     "aarch64": "portable kernels with NEON; bf16 weights computed by torch",
