@@ -39,6 +39,8 @@ class EngineConfig:
     seed: int = 0
     profile_dir: str | None = None  # where start_profile / stop_profile write traces and step breakdowns
     tensor_parallel_size: int = 1  # ranks the model is sharded over (docs/parallelism.md)
+    # MoE models: each rank holds num_experts / tensor_parallel_size whole experts, not a share of every expert
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"  # how the other ranks start: local processes, or "ray" actors
 
     def __post_init__(self):

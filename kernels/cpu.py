@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_ref
+from kernels.torch_ref import fused_experts, pack_expert_weights, select_experts  # noqa: F401  (MoE: see below)
 from kernels.cpu_features import BUILDS, cpu_features
 from kernels.metadata import AttentionMetadata
 

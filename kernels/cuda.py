@@ -7,11 +7,14 @@ from __future__ import annotations
 from kernels.torch_ref import (  # noqa: F401
     add_rms_norm,
     decode_graph_widths,
+    fused_experts,
     linear,
+    pack_expert_weights,
     pack_linear_weight,
     paged_attention,
     reshape_and_cache,
     rms_norm,
     rotary_embedding,
+    select_experts,
     silu_and_mul,
 )

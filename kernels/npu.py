@@ -6,6 +6,8 @@ torch_npu 2.5.1.post1 line) op_plugin/ops/atb/*.cpp; call sites from vllm-ascend
 ATB ops return nothing and write their outputs in place; outputs must be contiguous; lengths
 (seq_len, context_lens) go as CPU int32 ("otherwise error: tensor.hostData is null").
 Only fp16 and bf16 run on these ops; block size must be 128.
+The MoE ops (select_experts, fused_experts): torch_npu's public MoE ops, called with the arguments
+vllm-ascend v0.23.0 passes (ops/fused_moe/, device/device_op.py), schemas from op-plugin master.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch_npu
 from kernels.metadata import AttentionMetadata, GraphCapture
 from kernels.timing import scope
 from kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
+from kernels.torch_ref import select_experts as _ref_select_experts
 
 BLOCK_SIZE = 128
 # Masked value per dtype, as vllm-ascend builds its masks (attention.py generate_attn_mask /
@@ -184,3 +187,86 @@ def graph_workspace(args: dict) -> torch.Tensor:
 def decode_graph_widths(max_len: int, block_size: int) -> list[int]:
     """One width: the decode op is re-issued with each step's real lengths, so no ladder is needed."""
     return [max_len]
+
+
+# -- mixture of experts (docs/npu.md section 11) ------------------------------------------------------------------
+# As vllm-ascend v0.23.0 runs an unquantised MoE layer on one rank's experts (the AllGather path,
+# ops/fused_moe/moe_comm_method.py): route, sort the (token, expert) pairs by expert, two grouped matmuls around
+# SwiGLU, and the weighted sum back per token. VA's A2/A3 adaptor sends gating and routing to its own compiled
+# ops; its A5 adaptor, and npu-llm, to torch_npu's (device/device_op.py).
+
+
+def select_experts(router_logits, top_k, renormalize, scoring_func="softmax", num_expert_group=None, topk_group=None,
+                   e_score_correction_bias=None, routed_scaling_factor=1.0):
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func must be softmax or sigmoid, got {scoring_func!r}")
+    if scoring_func == "sigmoid" and not renormalize:
+        # The op always renormalises sigmoid weights: VA takes plain torch here (check_npu_moe_gating_top_k).
+        with scope("moe.router"):
+            return _ref_select_experts(router_logits, top_k, False, scoring_func, num_expert_group, topk_group,
+                                       e_score_correction_bias, routed_scaling_factor)
+    groups = num_expert_group or 1
+    bias = None if e_score_correction_bias is None else e_score_correction_bias.to(router_logits.dtype)  # VA casts
+    renorm_here = scoring_func == "softmax" and renormalize  # the op never renormalises softmax weights
+    with scope("moe.router"):
+        # OP: npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, ..., int k_group=1, int group_count=1,
+        #   int group_select_mode=0, int renorm=0, int norm_type=0, bool out_flag=False,
+        #   float routed_scaling_factor=1.0, float eps=1e-20) -> (y in x's dtype, int32 ids, norm_out).
+        # Arguments as VA's experts_selector.py _select_experts_with_fusion_ops and A5DeviceAdaptor pass them
+        # (renorm=0, the only value the op takes; softmax renormalised afterwards), except group_select_mode: VA
+        # always passes 1 (a group scores its best two), which is vLLM's grouped_topk with a correction bias only;
+        # without one vLLM scores a group by its best expert (0).
+        weights, ids, _ = torch_npu.npu_moe_gating_top_k(
+            router_logits, k=top_k, bias=bias, k_group=topk_group if groups > 1 else 1, group_count=groups,
+            group_select_mode=1 if bias is not None else 0, renorm=0, norm_type=0 if scoring_func == "softmax" else 1,
+            out_flag=False, routed_scaling_factor=1.0 if renorm_here else routed_scaling_factor, eps=1e-20,
+        )
+        weights = weights.float()
+        if renorm_here:  # (VA's A5 adaptor renormalises after the op has scaled, which undoes the scaling)
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def pack_expert_weights(w13, w2):
+    # VA fused_moe.py AscendUnquantizedFusedMoEMethod.process_weights_after_loading: the grouped matmul takes
+    # [E, K, N] weights, so w13 [E, 2I, H] -> [E, H, 2I] (gate columns, then up) and w2 [E, H, I] -> [E, I, H].
+    return w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+
+
+def fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert=0):
+    """Experts first_expert .. first_expert + E_local - 1 (w13 / w2 as pack_expert_weights made them); the pairs
+    that chose other experts add nothing (the caller sums over ranks)."""
+    num_tokens, top_k = topk_ids.shape
+    end = first_expert + w13.shape[0]
+    with scope("moe.dispatch"):
+        # OP: npu_moe_init_routing_v2(x, expert_idx, *, ..., int active_num=-1, int expert_num=-1, ...,
+        #   int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1,
+        #   int[2] active_expert_range=[], ...) -> (expanded_x, expanded_row_idx, counts, expanded_scale).
+        # As VA's TokenDispatcherWithAllGather.token_dispatch calls it (token_dispatcher.py): all T*K pairs, counts
+        # per local expert (type 1), this rank's range. VA's expert_num is the global expert count, which this
+        # signature does not carry: ids above the range are clamped to `end` (still outside it), so end + 1 bounds
+        # every id as the op requires.
+        expanded_x, row_idx, counts, _ = torch_npu.npu_moe_init_routing_v2(
+            x, topk_ids.to(torch.int32).clamp(max=end), active_num=num_tokens * top_k, expert_num=end + 1,
+            expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[first_expert, end],
+            quant_mode=-1,
+        )
+    with scope("moe.experts"):
+        # VA moe_mlp.py unquant_apply_mlp: npu_grouped_matmul(x=[h], weight=[w], split_item=2, group_list_type=1
+        # (counts, as the dispatcher sets it), group_type=0, group_list=counts int64)[0], npu_swiglu between.
+        # npu_swiglu(x, dim=-1) is silu(first half) * second half: silu(gate) * up, as torch_ref's silu_and_mul.
+        group_list = counts.to(torch.int64)
+        gmm = dict(split_item=2, group_list_type=1, group_type=0, group_list=group_list)
+        h = torch_npu.npu_grouped_matmul([expanded_x], [w13], **gmm)[0]
+        h = torch_npu.npu_grouped_matmul([torch_npu.npu_swiglu(h)], [w2], **gmm)[0]
+    with scope("moe.combine"):
+        # OP: npu_moe_token_unpermute(permuted_tokens, sorted_indices int32 [T*K], probs [T, K]) -> [T, H]:
+        # out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t*K + k]]; the doc wants sorted_indices a
+        # permutation of [0, T*K). The rows past the n local pairs are never written by the ops above, so they are
+        # zeroed, and the pairs of other experts (-1 in row_idx) point at them, one each. (VA passes abs(row_idx)
+        # on A2/A3, repeating row 1, and relies on masked weights; the raw -1s on A5.)
+        held = row_idx >= 0
+        n = held.sum()
+        h = h.masked_fill((torch.arange(len(h), device=h.device) >= n)[:, None], 0)
+        sorted_indices = torch.where(held, row_idx, (~held).cumsum(0) - 1 + n).to(torch.int32)
+        return torch_npu.npu_moe_token_unpermute(h, sorted_indices, probs=topk_weights.to(x.dtype))

@@ -162,3 +162,81 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# -- mixture of experts ------------------------------------------------------------------------------------------
+# Two ops, the same on every platform: the router's choice (select_experts), then the experts' work on the
+# tokens sorted by expert, weighted and summed back per token (fused_experts). Expert weights are stacked:
+# w13 [E, 2 * I, H] (gate rows, then up rows) and w2 [E, H, I].
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str = "softmax",
+                   num_expert_group: int | None = None, topk_group: int | None = None,
+                   e_score_correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0):
+    """Each token's top_k experts and their weights: (topk_weights [T, k] fp32, topk_ids [T, k] int32).
+
+    Scores are the softmax (Qwen3-MoE, Mixtral) or the sigmoid (GLM-4.5, DeepSeek V3) of the logits, in fp32.
+    The choice adds e_score_correction_bias, where there is one, but the weights are the scores without it. With
+    groups, only the topk_group best groups of experts are chosen from: a group's score is its best two (with a
+    correction bias) or its best one, as vLLM's grouped_topk ranks them.
+    """
+    scores = router_logits.float()
+    if scoring_func == "softmax":
+        scores = scores.softmax(dim=-1)
+    elif scoring_func == "sigmoid":
+        scores = scores.sigmoid()
+    else:
+        raise ValueError(f"scoring_func must be softmax or sigmoid, got {scoring_func!r}")
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if num_expert_group and num_expert_group > 1:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, num_expert_group, experts // num_expert_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if e_score_correction_bias is not None else grouped.amax(-1)
+        best_groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // num_expert_group, dim=1), float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids.to(torch.int32)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int):
+    """The (token, choice) pairs that this rank's experts serve, sorted by expert (stable, so by token inside
+    one): (order, counts), `order` indexing the flattened topk_ids, `counts` [num_local_experts] the pairs of
+    each expert. Choices of experts held elsewhere (expert parallel) are left out."""
+    local = topk_ids.reshape(-1).long() - first_expert
+    held = (local >= 0) & (local < num_local_experts)
+    local = torch.where(held, local, num_local_experts)  # the others sort last and are cut off
+    order = local.argsort(stable=True)
+    counts = torch.bincount(local, minlength=num_local_experts + 1)[:num_local_experts]
+    return order[: int(held.sum())], counts
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """sum over a token's chosen experts e of weight * down_e(silu(gate_e(x)) * up_e(x)), for the experts held
+    here (w13 / w2 hold experts first_expert, first_expert + 1, ...; the caller sums over ranks).
+
+    This is the per-expert loop: tokens are sorted by expert, and each expert with tokens runs two F.linear
+    calls on its rows. There is no loop over tokens.
+    """
+    order, counts = sort_by_expert(topk_ids, first_expert, w13.shape[0])
+    top_k = topk_ids.shape[1]
+    rows = order // top_k  # the token of each sorted pair
+    gathered = x.index_select(0, rows)
+    expert_out = torch.empty_like(gathered)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            part = gathered[start : start + count]
+            expert_out[start : start + count] = F.linear(silu_and_mul(F.linear(part, w13[expert])), w2[expert])
+            start += count
+    weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, rows, expert_out * weights)
+
+
+def pack_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked expert weights in the layout fused_experts runs fastest from (here: as they are)."""
+    return w13, w2

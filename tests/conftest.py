@@ -87,8 +87,14 @@ TINY = dict(
 )
 
 
+# Tiny mixtures of experts: 8 experts, top-2, small experts; every layer sparse unless said otherwise.
+TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
 def _tiny_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+    )
 
     if arch == "llama":  # llama3 rope scaling and untied embeddings
         return LlamaConfig(
@@ -107,6 +113,19 @@ def _tiny_config(arch: str):
         return Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True)
     if arch == "mistral":
         return MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
+    if arch == "qwen3":  # per-head q/k norm; head_dim (32) is not hidden_size / heads (16)
+        return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+    if arch == "qwen3_moe":  # layer 1 of 3 dense (mlp_only_layers), renormalised top-k
+        return Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 3}, **TINY_MOE, num_experts=8, norm_topk_prob=True,
+                              mlp_only_layers=[1], tie_word_embeddings=False)
+    if arch == "mixtral":
+        return MixtralConfig(**{**TINY, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
+                             sliding_window=None, tie_word_embeddings=False)
+    if arch == "glm4_moe":  # sigmoid routing in 4 groups, shared expert, first layer dense, partial rotary
+        return Glm4MoeConfig(**{**TINY, "num_hidden_layers": 3}, **TINY_MOE, n_routed_experts=8, n_shared_experts=1,
+                             n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                             first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+                             tie_word_embeddings=False)
     raise ValueError(arch)
 
 
@@ -123,6 +142,9 @@ def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"]):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # steers the choice of experts: make it matter
+                b.normal_(0, 0.5)
     model.save_pretrained(path)
     return path
 

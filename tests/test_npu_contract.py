@@ -244,6 +244,200 @@ def test_npu_attention_matches_torch_ref(fake_npu, case):
     assert fake_npu.calls.get(op) == 1
 
 
+# -- mixture of experts ------------------------------------------------------------------------------------------
+
+
+def _router_logits(tokens: int, experts: int) -> torch.Tensor:
+    """bf16 logits with no two alike in a row (multiples of 1/8, exact in bf16): no ties for the choice to break."""
+    return (torch.stack([torch.randperm(experts) for _ in range(tokens)]).float() / 8 - experts / 16).bfloat16()
+
+
+def _expert_weights(experts: int, hidden: int, inter: int):
+    w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).bfloat16()
+    return w13, (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16()
+
+
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor):
+    """Each token's choices ordered by expert id (the op returns them best first, torch_ref in any order)."""
+    ids, order = ids.cpu().long().sort(dim=1)
+    return weights.cpu().gather(1, order), ids
+
+
+# name: (experts, top_k, select_experts arguments, the experts this rank holds: (first, how many))
+MOE_CASES = {
+    "softmax-renormalize": (16, 4, dict(renormalize=True), (0, 16)),
+    "sigmoid-groups-bias-scaling": (64, 6, dict(renormalize=True, scoring_func="sigmoid", num_expert_group=8,
+                                                topk_group=4, routed_scaling_factor=2.5), (0, 64)),
+    "expert-parallel-slice": (16, 4, dict(renormalize=True), (6, 5)),
+}
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_npu_moe_matches_torch_ref(fake_npu, case):
+    from kernels import npu, torch_ref
+
+    experts, top_k, select, (first, local) = MOE_CASES[case]
+    torch.manual_seed(0)
+    tokens, hidden, inter = 24, 64, 32
+    logits = _router_logits(tokens, experts)
+    if case.startswith("sigmoid"):
+        select["e_score_correction_bias"] = (torch.randn(experts) * 0.1).bfloat16()
+    weights, ids = torch_ref.select_experts(logits, top_k, **select)
+    on_npu = {k: v.to("npu") if isinstance(v, torch.Tensor) else v for k, v in select.items()}
+    npu_weights, npu_ids = npu.select_experts(logits.to("npu"), top_k, **on_npu)
+    assert npu_weights.dtype == torch.float32 and npu_ids.dtype == torch.int32 and npu_ids.device.type == "npu"
+    ref_w, ref_ids = _by_expert(weights, ids)
+    got_w, got_ids = _by_expert(npu_weights, npu_ids)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, atol=1e-2, rtol=1e-2)  # the op's weights are bf16
+
+    x = torch.randn(tokens, hidden).bfloat16()
+    w13, w2 = _expert_weights(local, hidden, inter)
+    expected = torch_ref.fused_experts(x, w13, w2, weights, ids, first_expert=first)
+    packed = npu.pack_expert_weights(w13.to("npu"), w2.to("npu"))
+    assert packed[0].shape == (local, hidden, 2 * inter) and packed[1].shape == (local, inter, hidden)
+    ours = npu.fused_experts(x.to("npu"), *packed, weights.to("npu"), ids.to("npu"), first_expert=first)
+    assert ours.device.type == "npu" and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.cpu(), expected, atol=2e-2, rtol=2e-2)
+    assert fake_npu.calls == {"npu_moe_gating_top_k": 1, "npu_moe_init_routing_v2": 1, "npu_grouped_matmul": 2,
+                              "npu_swiglu": 1, "npu_moe_token_unpermute": 1}
+
+
+def test_npu_moe_ranks_sum_to_the_whole_layer(fake_npu):
+    """Expert parallel: each rank's share of the layer, summed, is the whole; a rank whose experts no token chose
+    adds exact zeros (the rows the ops leave unwritten, NaN in the fake, are never read)."""
+    from kernels import npu, torch_ref
+
+    torch.manual_seed(1)
+    tokens, experts, hidden, inter = 16, 16, 64, 32
+    logits = _router_logits(tokens, experts)
+    logits[:, 12:] -= 8  # experts 12-15 are never chosen
+    weights, ids = npu.select_experts(logits.to("npu"), 3, True)
+    x = torch.randn(tokens, hidden).bfloat16().to("npu")
+    w13, w2 = _expert_weights(experts, hidden, inter)
+    whole = npu.fused_experts(x, *npu.pack_expert_weights(w13.to("npu"), w2.to("npu")), weights, ids)
+    shares = [npu.fused_experts(x, *npu.pack_expert_weights(w13[a:b].to("npu"), w2[a:b].to("npu")), weights, ids,
+                                first_expert=a) for a, b in [(0, 5), (5, 12), (12, 16)]]
+    assert torch.equal(shares[2].cpu(), torch.zeros(tokens, hidden, dtype=torch.bfloat16))
+    torch.testing.assert_close(sum(s.cpu().float() for s in shares), whole.cpu().float(), atol=2e-2, rtol=2e-2)
+    expected = torch_ref.fused_experts(x.cpu(), w13, w2, weights.cpu(), ids.cpu())
+    torch.testing.assert_close(whole.cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_npu_moe_layer_replays_in_a_graph(fake_npu):
+    """Routing and experts capture in a decode graph: no value is read back to the host, and a replay computes on
+    whatever the input buffers hold (ids above the range and the unwritten rows included)."""
+    from kernels import npu, torch_ref
+
+    torch.manual_seed(2)
+    tokens, experts, hidden, inter = 8, 16, 64, 32
+    w13, w2 = _expert_weights(6, hidden, inter)
+    packed = npu.pack_expert_weights(w13.to("npu"), w2.to("npu"))
+    logits, x = _router_logits(tokens, experts).to("npu"), torch.randn(tokens, hidden).bfloat16().to("npu")
+    graph = torch.npu.NPUGraph()
+    with torch.inference_mode():
+        with torch.npu.graph(graph):
+            out = npu.fused_experts(x, *packed, *npu.select_experts(logits, 4, True), first_expert=4)
+        new_logits, new_x = _router_logits(tokens, experts), torch.randn(tokens, hidden).bfloat16()
+        logits.copy_(new_logits.to("npu"))
+        x.copy_(new_x.to("npu"))
+        graph.replay()
+    expected = torch_ref.fused_experts(new_x, w13, w2, *torch_ref.select_experts(new_logits, 4, True), first_expert=4)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-2, rtol=2e-2)
+
+def test_sigmoid_routing_without_renormalization_stays_in_torch(fake_npu):
+    """The gating op always renormalises sigmoid weights; as vllm-ascend does, that case is left to plain torch."""
+    from kernels import npu, torch_ref
+
+    logits = _router_logits(8, 16)
+    ours = npu.select_experts(logits.to("npu"), 2, False, scoring_func="sigmoid")
+    expected = torch_ref.select_experts(logits, 2, False, scoring_func="sigmoid")
+    assert "npu_moe_gating_top_k" not in fake_npu.calls
+    assert torch.equal(_by_expert(*ours)[1], _by_expert(*expected)[1])
+
+
+def test_moe_ops_reject_what_the_real_ops_reject(fake_npu):
+    refused = fake_npu.NpuOpError
+    logits = _router_logits(4, 64).to("npu")
+    gating = dict(k=4, k_group=2, group_count=8, group_select_mode=1, norm_type=1)
+    fake_npu.npu_moe_gating_top_k(logits, **gating)  # fine
+    with pytest.raises(refused, match="at most 2048 experts"):
+        fake_npu.npu_moe_gating_top_k(torch.zeros(4, 4096, dtype=torch.bfloat16, device="npu"), k=4)
+    with pytest.raises(refused, match="64 experts must divide into group_count=6"):
+        fake_npu.npu_moe_gating_top_k(logits, **{**gating, "group_count": 6})
+    for k in (0, 17):  # k_group * experts per group = 2 * 8
+        with pytest.raises(refused, match=r"k must be in \[1, k_group \* experts per group = 16\]"):
+            fake_npu.npu_moe_gating_top_k(logits, **{**gating, "k": k})
+    for k_group in (0, 9):
+        with pytest.raises(refused, match=r"k_group must be in \[1, group_count=8\]"):
+            fake_npu.npu_moe_gating_top_k(logits, **{**gating, "k_group": k_group})
+    with pytest.raises(refused, match="more than 2 experts"):
+        fake_npu.npu_moe_gating_top_k(logits, **{**gating, "group_count": 32})
+    with pytest.raises(refused, match="x must be 2-D float16/bfloat16/float32"):
+        fake_npu.npu_moe_gating_top_k(logits.double(), **gating)
+    with pytest.raises(refused, match="bias must be 1-D \\[64\\] in x's dtype"):
+        fake_npu.npu_moe_gating_top_k(logits, bias=torch.zeros(64, device="npu"), **gating)  # float32 bias
+    with pytest.raises(refused, match="only renorm=0"):
+        fake_npu.npu_moe_gating_top_k(logits, renorm=1, **gating)
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device="npu")
+    ids = torch.tensor([[0, 3], [1, 2], [3, 3], [2, 0]], dtype=torch.int32, device="npu")
+    routing = dict(active_num=8, expert_num=4, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+                   active_expert_range=[1, 3], quant_mode=-1)
+    expanded_x, row_idx, counts, _ = fake_npu.npu_moe_init_routing_v2(x, ids, **routing)  # fine
+    assert counts.tolist() == [1, 2] and row_idx.tolist() == [-1, -1, 0, 1, -1, -1, 2, -1]
+    assert torch.equal(expanded_x[:3].cpu(), x.cpu()[[1, 1, 3]]) and expanded_x[3:].isnan().all()
+    with pytest.raises(refused, match="expert_idx must be int32"):
+        fake_npu.npu_moe_init_routing_v2(x, ids.long(), **routing)
+    with pytest.raises(refused, match=r"expert ids must be in \[0, expert_num=3\)"):
+        fake_npu.npu_moe_init_routing_v2(x, ids, **{**routing, "expert_num": 3})
+    with pytest.raises(refused, match="active_expert_range must be"):
+        fake_npu.npu_moe_init_routing_v2(x, ids, **{**routing, "active_expert_range": [2, 5]})
+    with pytest.raises(refused, match=r"expert_num must be in \[1, 10240\]"):
+        fake_npu.npu_moe_init_routing_v2(x, ids, **{**routing, "expert_num": 10241, "active_expert_range": [0, 4]})
+
+    weight = torch.randn(2, 64, 16, dtype=torch.bfloat16, device="npu")
+    group_list = torch.tensor([1, 2], device="npu")
+    gmm = dict(split_item=2, group_list_type=1, group_type=0, group_list=group_list)
+    y = fake_npu.npu_grouped_matmul([expanded_x], [weight], **gmm)[0]  # fine: rows past the groups are left alone
+    torch.testing.assert_close(y[:3].cpu(), torch.cat([expanded_x[:1].cpu() @ weight[0].cpu(),
+                                                       expanded_x[1:3].cpu() @ weight[1].cpu()]), atol=0.1, rtol=0.02)
+    with pytest.raises(refused, match="must be float16 or bfloat16"):
+        fake_npu.npu_grouped_matmul([expanded_x.float()], [weight.float()], **gmm)
+    with pytest.raises(refused, match="group_list must be 1-D int64"):
+        fake_npu.npu_grouped_matmul([expanded_x], [weight], **{**gmm, "group_list": group_list.int()})
+    with pytest.raises(refused, match="the groups hold 9 rows, x has 8"):
+        fake_npu.npu_grouped_matmul([expanded_x], [weight], **{**gmm, "group_list": torch.tensor([4, 5], device="npu")})
+    with pytest.raises(refused, match="inner dim 64 != the weight's K 16"):
+        fake_npu.npu_grouped_matmul([expanded_x], [weight.transpose(1, 2)], **gmm)
+    with pytest.raises(refused, match="group_list_type must be 0 .cumsum. or 1"):
+        fake_npu.npu_grouped_matmul([expanded_x], [weight], **{**gmm, "group_list_type": 2})
+    with pytest.raises(refused, match="split_item 2 or 3"):
+        fake_npu.npu_grouped_matmul([expanded_x], [weight], **{**gmm, "split_item": 0})
+    with pytest.raises(refused, match="at most 1024"):
+        fake_npu.npu_grouped_matmul([expanded_x[:, :1]], [torch.zeros(1025, 1, 1, dtype=torch.bfloat16, device="npu")],
+                                    **{**gmm, "group_list": torch.zeros(1025, dtype=torch.int64, device="npu")})
+
+    with pytest.raises(refused, match="must have an even size"):
+        fake_npu.npu_swiglu(torch.zeros(3, 5, dtype=torch.bfloat16, device="npu"))
+    with pytest.raises(refused, match="contiguous"):
+        fake_npu.npu_swiglu(torch.zeros(4, 6, dtype=torch.bfloat16, device="npu").t())
+
+    probs = torch.full((4, 2), 0.5, dtype=torch.bfloat16, device="npu")
+    permutation = torch.tensor([0, 4, 5, 1, 2, 6, 7, 3], dtype=torch.int32, device="npu")
+    fake_npu.npu_moe_token_unpermute(y, permutation, probs=probs)  # fine
+    with pytest.raises(refused, match="must not repeat an index"):  # vllm-ascend's abs(expanded_row_idx) on A2/A3
+        fake_npu.npu_moe_token_unpermute(y, row_idx.abs(), probs=probs)
+    with pytest.raises(refused, match=r"sorted_indices must be in \[0, 7\]"):  # the raw -1s (its A5 path)
+        fake_npu.npu_moe_token_unpermute(y, row_idx, probs=probs)
+    with pytest.raises(refused, match="sorted_indices must be 1-D int32"):
+        fake_npu.npu_moe_token_unpermute(y, permutation.long(), probs=probs)
+    with pytest.raises(refused, match="topK must be <= 512"):
+        fake_npu.npu_moe_token_unpermute(torch.zeros(513, 4, dtype=torch.bfloat16, device="npu"),
+                                         torch.arange(513, dtype=torch.int32, device="npu"),
+                                         probs=torch.ones(1, 513, dtype=torch.bfloat16, device="npu"))
+
+
 @pytest.mark.slow
 def test_tensor_parallel_on_the_npu_talks_hccl_and_equals_the_cpu_path(fake_npu, monkeypatch, tmp_path,
                                                                       default_model_dir):

@@ -54,6 +54,16 @@ def test_two_ranks_over_gloo_equal_one(arch, tmp_path, default_model_dir):
     _assert_same(alone, sharded)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_moe_experts_sharded_or_spread_over_two_ranks_equal_one(arch, tmp_path, default_model_dir):
+    """Tensor parallel splits every expert's intermediate size; expert parallel gives each rank half the experts
+    whole. Both give one process's greedy tokens and top-5 logprobs (GLM-4.5: with its shared expert)."""
+    model_dir = make_tiny_model(arch, tmp_path / arch)
+    alone, _ = _generate(model_dir, default_model_dir, 1)
+    _assert_same(alone, _generate(model_dir, default_model_dir, 2)[0])
+    _assert_same(alone, _generate(model_dir, default_model_dir, 2, enable_expert_parallel=True)[0])
+
+
 def _assert_same(alone, sharded) -> None:
     """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4."""
     worst = 0.0

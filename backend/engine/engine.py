@@ -32,7 +32,7 @@ from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.structured_outputs import StructuredOutputs
 from backend.engine.tokenizer import eos_token_ids, load_tokenizer
-from backend.models.llama import check_tensor_parallel
+from backend.models.llama import check_model
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
@@ -76,7 +76,7 @@ class LLMEngine:
         model_dir = resolve_model(config.model)
         model_config = load_config(model_dir)
         config.finalize(self.platform.name, max_model_len_of(model_config))
-        check_tensor_parallel(model_config, config.tensor_parallel_size)
+        check_model(model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         tp, workers = SINGLE, None
         if config.tensor_parallel_size > 1:  # the other ranks start now, and load their shards alongside ours
             tp, workers = start_workers(config, self.platform.device)
@@ -92,7 +92,8 @@ class LLMEngine:
         config = self.config
         in_use_before = memory.allocated(self.platform)
         self.model, self.model_config, self.model_dir = load_model(
-            model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp
+            model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp,
+            config.enable_expert_parallel,
         )
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)

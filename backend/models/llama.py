@@ -1,4 +1,6 @@
-"""One decoder for the Llama family: Llama, Qwen2, Mistral and SmolLM2 differ only in config.
+"""One decoder for the Llama family and its descendants: Llama, Qwen2, Mistral, SmolLM2, Qwen3, and the
+mixtures of experts Qwen3-MoE, Mixtral and GLM-4.5 differ only in config (backend/models/architectures.py;
+the experts are backend/models/moe.py).
 
 Tokens arrive flattened ([num_tokens]) with their positions; there is no padding and no
 batch dimension. Attention reads and writes the paged KV cache through the platform's
@@ -20,33 +22,30 @@ from torch import nn
 import torch.nn.functional as F
 
 from backend.distributed import SINGLE, TensorParallel
+from backend.models.architectures import (
+    attention_spec, head_dim_of, is_moe_layer, moe_spec, rope_parameters_of, rotary_dim_of,
+)
+from backend.models.moe import FusedMoE, SparseMoeBlock
 from kernels import AttentionMetadata
 from kernels.timing import scope
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def rope_theta_of(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope_parameters_of(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))
 
 
 def rope_type_of(config) -> str:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = rope_parameters_of(config)
     return params.get("rope_type", params.get("type", "default"))
 
 
 def build_cos_sin_cache(config, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] fp32 table of cos | sin, computed as transformers computes it."""
+    """[max_positions, rotary_dim] fp32 table of cos | sin, computed as transformers computes it."""
     rope_type = rope_type_of(config)
     if rope_type == "default":
-        dim = head_dim_of(config)
+        dim = rotary_dim_of(config)
         inv_freq = 1.0 / (rope_theta_of(config) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = 1.0
     elif rope_type == "dynamic":
@@ -84,15 +83,19 @@ class RowParallelLinear(Linear):
     """A Linear whose input features are split across ranks: partial products, summed by one all-reduce;
     the bias is added once, after it."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType, tp: TensorParallel):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType, tp: TensorParallel,
+                 reduce_results: bool = True):
         super().__init__(in_features, out_features, bias, ops)
         self.tp = tp
+        self.reduce_results = reduce_results  # False: the caller sums this partial result with others, once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
         with scope("matmul"):
             y = self.ops.linear(x, self.weight, None)
+        if not self.reduce_results:
+            return y if self.bias is None or self.tp.rank else y + self.bias
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
@@ -139,12 +142,11 @@ def kv_heads_per_rank(config, tp: TensorParallel) -> int:
     return 1
 
 
-def check_tensor_parallel(config, size: int) -> None:
-    """Whether the model shards over `size` ranks, before any worker starts: its modules are built on the meta
-    device with that split, so their own checks raise (no tensor is allocated)."""
-    if size > 1:
-        with torch.device("meta"):
-            LlamaForCausalLM(config, ops=None, tp=TensorParallel(0, size))
+def check_model(config, size: int = 1, expert_parallel: bool = False) -> None:
+    """Whether the model can be built, and sharded over `size` ranks, before any worker starts: its modules are
+    built on the meta device with that split, so their own checks raise (no tensor is allocated)."""
+    with torch.device("meta"):
+        LlamaForCausalLM(config, ops=None, tp=TensorParallel(0, size), expert_parallel=expert_parallel)
 
 
 class Attention(nn.Module):
@@ -153,37 +155,51 @@ class Attention(nn.Module):
         self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
         self.num_kv_heads = kv_heads_per_rank(config, tp)
         self.head_dim = head_dim_of(config)
+        self.rotary_dim = rotary_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        # Qwen2 has q/k/v biases and no o bias; Llama's attention_bias covers all four.
-        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        o_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, ops)
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, ops, tp)
+        spec = attention_spec(config)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, ops)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, spec.o_bias, ops, tp)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
         self.ops = ops
 
     def forward(self, x, positions, cos_sin_cache, kv_cache: KVCache, metadata: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        if self.q_norm is not None:  # per head (Qwen3): rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self._rotate(positions, q, k, cos_sin_cache)
         key_cache, value_cache = kv_cache
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         o = self.ops.paged_attention(q, k, v, key_cache, value_cache, metadata, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
+    def _rotate(self, positions, q, k, cos_sin_cache):
+        if self.rotary_dim == self.head_dim:
+            return self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        # Partial rotary (GLM-4.5): the leading rotary_dim dimensions of each head rotate, the rest pass through.
+        d = self.rotary_dim
+        q_rot, k_rot = self.ops.rotary_embedding(positions, q[..., :d].contiguous(), k[..., :d].contiguous(),
+                                                 cos_sin_cache)
+        return torch.cat((q_rot, q[..., d:]), dim=-1), torch.cat((k_rot, k[..., d:]), dim=-1)
+
 
 class MLP(nn.Module):
-    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (expected silu)")
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = tp.split(config.intermediate_size, "intermediate_size")
+        self.intermediate_size = tp.split(intermediate_size or config.intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias, ops)
-        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, ops, tp)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, ops, tp, reduce_results)
         self.ops = ops
 
     def forward(self, x):
@@ -191,12 +207,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
+    def __init__(self, config, index: int, ops: ModuleType, tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops, tp)
+        if is_moe_layer(config, index):
+            self.mlp = SparseMoeBlock(config, moe_spec(config), ops, tp, expert_parallel)
+        else:
+            self.mlp = MLP(config, ops, tp)
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, metadata):
         if residual is None:
@@ -209,10 +228,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, expert_parallel)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata):
@@ -233,11 +253,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, ops, tp)
+        self.expert_parallel = expert_parallel
+        self.model = LlamaModel(config, ops, tp, expert_parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = self.model.embed_tokens.num_embeddings  # this rank's share of the vocabulary
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
@@ -256,12 +277,17 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
-    def shard_sizes(self, fused_name: str) -> list[int]:
-        """Row sizes of the checkpoint tensors stacked into a fused parameter."""
+    def shard_sizes(self, key: str, fused_name: str) -> list[int]:
+        """Row sizes of the checkpoint tensors stacked into a fused parameter (`key` names the layer's one)."""
         attn = self.model.layers[0].self_attn
         if fused_name == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.model.layers[0].mlp.intermediate_size] * 2
+        return [self._mlp_of(key).intermediate_size] * 2
+
+    def _mlp_of(self, key: str) -> MLP:
+        """The dense MLP a checkpoint tensor belongs to: a layer's own, or a MoE layer's shared experts."""
+        layer = self.model.layers[int(key.split(".layers.")[1].split(".")[0])]
+        return layer.mlp.shared_experts if isinstance(layer.mlp, SparseMoeBlock) else layer.mlp
 
     def checkpoint_shard(self, key: str) -> tuple[int, int, int] | None:
         """This rank's slice of a checkpoint tensor, as (dimension, start, length); None: the whole tensor."""
@@ -273,13 +299,20 @@ class LlamaForCausalLM(nn.Module):
         if ".k_proj." in key or ".v_proj." in key:
             first_head = rank * self.config.num_key_value_heads // self.tp.size  # (replicated heads repeat)
             return 0, first_head * attn.head_dim, attn.kv_size
-        intermediate = self.model.layers[0].mlp.intermediate_size
+        if ".mlp." not in key:
+            return self._checkpoint_shard_outside_mlp(key, attn, rank)
+        if ".mlp.gate." in key:
+            return None  # the router: replicated
+        intermediate = self._mlp_of(key).intermediate_size
         if ".gate_proj." in key or ".up_proj." in key:
             return 0, rank * intermediate, intermediate
-        if key.endswith("o_proj.weight"):
-            return 1, rank * attn.q_size, attn.q_size
         if key.endswith("down_proj.weight"):
             return 1, rank * intermediate, intermediate
+        return None  # the row-parallel bias (added once, after the all-reduce)
+
+    def _checkpoint_shard_outside_mlp(self, key: str, attn: Attention, rank: int):
+        if key.endswith("o_proj.weight"):
+            return 1, rank * attn.q_size, attn.q_size
         if key.endswith(("embed_tokens.weight", "lm_head.weight")):
             return 0, self.model.embed_tokens.start, self.model.embed_tokens.num_embeddings
         return None  # norms, and the row-parallel biases (added once, after the all-reduce)
@@ -296,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """After loading: every matmul weight into the kernels' layout (the embedding keeps its own for lookups)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedMoE)):
                 module.pack()
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head_weight = self.ops.pack_linear_weight(head.data)

@@ -1,4 +1,5 @@
-"""Load a Llama-family checkpoint (Hugging Face folder or GGUF file) into our modules."""
+"""Load a checkpoint (Hugging Face folder or GGUF file) into our modules: only this rank's shards are read, and
+a checkpoint that does not fill every parameter, or fills one with the wrong shape, fails the load."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from backend.distributed import SINGLE, TensorParallel
-from backend.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of
+from backend.models.llama import LlamaForCausalLM
+from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.registry import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +60,7 @@ def max_model_len_of(config) -> int:
     """The longest sequence the model handles correctly: its trained length, or its sliding window if shorter."""
     limit = config.max_position_embeddings
     window = getattr(config, "sliding_window", None)
-    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+    if window and (config.model_type in ("mistral", "mixtral") or getattr(config, "use_sliding_window", False)):
         limit = min(limit, window)  # we implement full attention only, which equals windowed attention up to here
     return limit
 
@@ -84,18 +87,25 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
     tp: TensorParallel = SINGLE,
+    expert_parallel: bool = False,
 ):
     """(model, config, model_dir): weights loaded on `device` in `dtype`, rope table sized for max_model_len;
-    under tensor parallelism, only this rank's shards are read."""
+    under tensor parallelism, only this rank's shards are read (and its experts, with expert_parallel)."""
     device = torch.device(device)
     model_dir = resolve_model(model)
     config = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config, device)
-    with torch.device("meta"):
-        module = LlamaForCausalLM(config, ops, tp)
+    try:
+        with torch.device("meta"):
+            module = LlamaForCausalLM(config, ops, tp, expert_parallel)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
     # Cast while still on meta, so the device never holds a float32 copy of the weights (freed fp32
     # blocks would stay reserved by the caching allocator and count against the KV cache).
-    module = module.to(torch_dtype).to_empty(device=device)
+    module = module.to(torch_dtype)
+    for router in (m for m in module.modules() if isinstance(m, Router)):
+        router.float()
+    module = module.to_empty(device=device)
     _load_weights(module, _checkpoint_files(model_dir))
     module.pack_weights()
     module.init_rope(max_model_len or max_model_len_of(config))
@@ -103,18 +113,47 @@ def load_model(
 
 
 def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
-    params = dict(module.named_parameters())
+    experts = {name: m for name, m in module.named_modules() if isinstance(m, FusedMoE)}
+    params = {name: p for name, p in module.named_parameters() if name.rsplit(".", 1)[0] not in experts}
     unfilled = {name: p.shape[0] for name, p in params.items()}  # rows still to be loaded per parameter
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    _load_tensor(module, params, unfilled, key, _read(f, key, module.checkpoint_shard(key)), path)
+                for stored in f.keys():
+                    key = stored.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+                    if _beyond_the_model(module.config, key):
+                        continue
+                    expert = EXPERT_TENSOR.match(key)
+                    if expert:
+                        _load_expert_tensor(experts, expert, f, stored, path)
+                        continue
+                    tensor = _read(f, stored, module.checkpoint_shard(key))
+                    _load_tensor(module, params, unfilled, key, tensor, path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
     missing = [name for name, rows in unfilled.items() if rows]
+    missing += [f"{name} ({part})" for name, m in experts.items() for part in m.missing()]
     if missing:
-        raise ModelLoadError(f"{files[0].parent}: checkpoint lacks tensors for {', '.join(missing[:5])}")
+        raise ModelLoadError(f"{files[0].parent}: checkpoint lacks tensors for {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _beyond_the_model(config, key: str) -> bool:
+    """A layer the checkpoint carries and the model does not run (GLM-4.5's multi-token-prediction layer)."""
+    if not key.startswith("model.layers."):
+        return False
+    index = int(key.split(".")[2])
+    return config.num_hidden_layers <= index < config.num_hidden_layers + extra_layers_of(config)
+
+
+def _load_expert_tensor(experts: dict[str, FusedMoE], match, f, stored: str, path: Path) -> None:
+    layer = experts.get(f"{match['block']}.experts")
+    if layer is None:
+        raise ModelLoadError(f"{path}: unexpected tensor {stored!r}: that layer has no experts")
+    try:
+        layer.load(match, lambda index: f.get_slice(stored)[index] if index else f.get_tensor(stored))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def _read(f, key: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
@@ -135,7 +174,7 @@ def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path:
     for part, (fused, shard) in module.stacked_params.items():
         if f".{part}." in key:
             target = key.replace(f".{part}.", f".{fused}.")
-            sizes = module.shard_sizes(fused)
+            sizes = module.shard_sizes(key, fused)
             rows = slice(sum(sizes[:shard]), sum(sizes[: shard + 1]))
             break
     param = params.get(target)

@@ -163,10 +163,14 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
 std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
                                          const at::Tensor& cos_sin_cache) {
   // query [T, Hq, D], key [T, Hkv, D]: views into the fused QKV output are fine as long as each token's heads
-  // are contiguous (head stride D, element stride 1).
+  // are contiguous (head stride D, element stride 1). A single head's stride is whatever torch left it: with one
+  // head (tensor parallel) torch calls the view contiguous and .contiguous() keeps it.
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3, "query [T, Hq, D] and key [T, Hkv, D] expected");
   const int64_t tokens = query.size(0), head_dim = query.size(2);
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == head_dim && key.stride(2) == 1 && key.stride(1) == head_dim,
+  auto heads_contiguous = [head_dim](const at::Tensor& x) {
+    return x.stride(2) == 1 && (x.size(1) == 1 || x.stride(1) == head_dim);
+  };
+  TORCH_CHECK(heads_contiguous(query) && heads_contiguous(key),
               "each token's heads must be contiguous");
   TORCH_CHECK(key.size(0) == tokens && key.size(2) == head_dim && head_dim % 2 == 0, "query and key do not match");
   auto cache = cos_sin_cache.to(query.scalar_type()).contiguous();

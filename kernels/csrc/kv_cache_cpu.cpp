@@ -12,7 +12,7 @@ namespace {
 void check_rows(const at::Tensor& rows, const at::Tensor& cache, const char* name) {
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3), name,
               " must be [tokens, num_kv_heads, head_dim] of the cache's heads");
-  TORCH_CHECK(rows.stride(2) == 1 && rows.stride(1) == rows.size(2), "each token's ", name,
+  TORCH_CHECK(rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2)), "each token's ", name,
               " heads must be contiguous");
   TORCH_CHECK(rows.scalar_type() == cache.scalar_type(), name, " and its cache must share a dtype");
 }

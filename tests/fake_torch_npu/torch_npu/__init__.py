@@ -1,10 +1,11 @@
 """A CPU-backed stand-in for torch_npu, for contract tests on machines without Ascend hardware.
 
-It implements the ops kernels/npu.py calls with kernels/torch_ref.py semantics, and checks
-their arguments the way the real ops document them (docs/npu.md): keyword names,
-fp16/bf16 only, int32 slot indices and block tables, CPU int32 lengths, contiguous outputs,
-block sizes, and the exact causal masks vllm-ascend builds. A wrong call raises, as the real
-op would fail. Device tensors are on "npu:N" (fake_npu_device.py: host memory underneath, but
+It implements the ops kernels/npu.py calls with kernels/torch_ref.py semantics (the MoE ops with
+their docs' equivalent code), and checks their arguments the way the real ops document them
+(docs/npu.md): keyword names, fp16/bf16 only, int32 slot indices and block tables, CPU int32
+lengths, contiguous outputs, block sizes, the exact causal masks vllm-ascend builds, and the MoE
+ops' bounds on experts, groups and k. A wrong call raises, as the real op would fail. Device
+tensors are on "npu:N" (fake_npu_device.py: host memory underneath, but
 placed apart from host tensors, so an argument on the wrong side of the bus is refused).
 Graph capture and replay (torch.npu.NPUGraph, task-group updates) live in _graphs.py; the
 torch.distributed backend "hccl" (collectives between ranks, over gloo underneath) in _hccl.py.
@@ -259,6 +260,249 @@ def _chunked_attention(query, key_cache, value_cache, block_table, q_lens, ctx_l
         v = torch_ref.gather_kv(value_cache, blocks)[:c]
         out[start : start + q] = torch_ref.prefill_attention(query[start : start + q], k, v, scale)
         start += q
+
+
+# -- mixture of experts ------------------------------------------------------------------------------
+# Schemas: op-plugin master op_plugin_functions.yaml. Semantics and refusals: each op's doc,
+# docs/zh/custom_APIs/torch_npu/torch_npu-<op>.md (docs/npu.md section 11). The fake implements the calls
+# vllm-ascend's unquantised MoE makes; other modes of these ops raise as "not part of the fake".
+# Rows an op leaves unwritten (past the pairs routed to this rank's experts) hold NaN here, so that a
+# caller that reads them shows.
+
+_FLOAT = (*_HALF, torch.float32)
+
+
+def _not_in_fake(name: str, condition: bool, what: str) -> None:
+    _require(condition, f"{name}: {what} is not part of the fake (npu-llm does not use it)")
+
+
+def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                         group_select_mode=0, renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+                         eps=1e-20):
+    name = "npu_moe_gating_top_k"
+    _count(name)
+    _on_device(name, x=x)
+    _require(x.dim() == 2 and x.dtype in _FLOAT, f"{name}: x must be 2-D float16/bfloat16/float32, got "
+                                                  f"{x.dim()}-D {x.dtype}")
+    experts = x.shape[1]
+    _require(experts <= 2048, f"{name}: at most 2048 experts (x's last dim), got {experts}")
+    _require(group_count > 0 and experts % group_count == 0,
+             f"{name}: the {experts} experts must divide into group_count={group_count} groups")
+    per_group = experts // group_count
+    _require(per_group > 2, f"{name}: each group must hold more than 2 experts, got {per_group}")
+    _require(-(-per_group // 32) * 32 * group_count <= 2048,
+             f"{name}: experts per group aligned to 32, times group_count, must be <= 2048")
+    _require(1 <= k_group <= group_count, f"{name}: k_group must be in [1, group_count={group_count}], got {k_group}")
+    _require(1 <= k <= per_group * k_group,
+             f"{name}: k must be in [1, k_group * experts per group = {per_group * k_group}], got {k}")
+    _require(renorm == 0, f"{name}: only renorm=0 (norm, then top-k) is supported, got {renorm}")
+    _require(norm_type in (0, 1), f"{name}: norm_type must be 0 (softmax) or 1 (sigmoid), got {norm_type}")
+    _require(group_select_mode in (0, 1), f"{name}: group_select_mode must be 0 or 1, got {group_select_mode}")
+    _not_in_fake(name, input_ids is None and tid2eid is None, "hash routing (input_ids, tid2eid)")
+    if bias is not None:
+        _on_device(name, bias=bias)
+        _require(bias.shape == (experts,) and bias.dtype == x.dtype,
+                 f"{name}: bias must be 1-D [{experts}] in x's dtype {x.dtype}, got {list(bias.shape)} {bias.dtype}")
+    y = torch.empty(x.shape[0], k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
+    norm = torch.empty(tuple(x.shape) if out_flag else (0,), dtype=torch.float32, device=x.device)
+    _graphs.launch(_gating_top_k, ("y", "ids", "norm"), x=x, bias=bias, k=k, k_group=k_group,
+                   group_count=group_count, group_select_mode=group_select_mode, norm_type=norm_type,
+                   routed_scaling_factor=routed_scaling_factor, eps=eps, y=y, ids=ids, norm=norm)
+    return y, ids, norm
+
+
+def _gating_top_k(x, bias, k, k_group, group_count, group_select_mode, norm_type, routed_scaling_factor, eps,
+                  y, ids, norm):
+    # The doc's equivalent code: scores in fp32, the bias only for the choice, ties to the lower index.
+    scores = x.float().softmax(-1) if norm_type == 0 else x.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if group_count > 1:
+        grouped = choice.view(len(choice), group_count, -1)
+        group_scores = grouped.amax(-1) if group_select_mode == 0 else grouped.topk(2, dim=-1).values.sum(-1)
+        best = torch.argsort(-group_scores, dim=-1, stable=True)[:, :k_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[2], dim=1), float("-inf"))
+    chosen = torch.argsort(-choice, dim=-1, stable=True)[:, :k]
+    weights = scores.gather(1, chosen)
+    if norm_type == 1:  # sigmoid scores are always renormalised, softmax ones never
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    y.copy_(weights * routed_scaling_factor)
+    ids.copy_(chosen)
+    if norm.numel():
+        norm.copy_(scores)
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                            quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+    name = "npu_moe_init_routing_v2"
+    _count(name)
+    _on_device(name, x=x, expert_idx=expert_idx)
+    _require(x.dim() == 2 and x.dtype in (*_FLOAT, torch.int8),
+             f"{name}: x must be 2-D float16/bfloat16/float32/int8, got {x.dim()}-D {x.dtype}")
+    _require(expert_idx.dtype == torch.int32 and expert_idx.dim() == 2 and expert_idx.shape[0] == x.shape[0],
+             f"{name}: expert_idx must be int32 [N={x.shape[0]}, K], got {list(expert_idx.shape)} {expert_idx.dtype}")
+    limit = 5120 if expert_tokens_num_type == 2 else 10240
+    _require(0 < expert_num <= limit, f"{name}: expert_num must be in [1, {limit}], got {expert_num}")
+    start, end = active_expert_range if len(active_expert_range) else (0, expert_num)
+    _require(len(active_expert_range) in (0, 2) and 0 <= start < end <= expert_num,
+             f"{name}: active_expert_range must be [start, end) with end <= expert_num={expert_num}, "
+             f"got {list(active_expert_range)}")
+    _require(expert_tokens_num_type in (0, 1, 2), f"{name}: expert_tokens_num_type must be 0, 1 or 2")
+    _not_in_fake(name, quant_mode == -1 and scale is None and offset is None and x_dtype is None,
+                 "quantisation (quant_mode, scale, offset, x_dtype)")
+    _not_in_fake(name, drop_pad_mode == 0 and row_idx_type == 0, "drop/pad mode or scatter indices")
+    _not_in_fake(name, expert_tokens_num_flag and expert_tokens_num_type != 2, "no counts, or key-value counts")
+    pairs = expert_idx.numel()
+    _not_in_fake(name, active_num in (-1, 0) or active_num >= pairs, "dropping pairs (0 < active_num < N*K)")
+    if pairs and not _graphs.is_capturing():  # (a capture cannot read device values back)
+        _require(0 <= int(expert_idx.min()) and int(expert_idx.max()) < expert_num,
+                 f"{name}: expert ids must be in [0, expert_num={expert_num})")
+    expanded_x = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=x.device)
+    expanded_row_idx = torch.empty(pairs, dtype=torch.int32, device=x.device)
+    counts = torch.empty(end - start, dtype=torch.int64, device=x.device)
+    _graphs.launch(_init_routing, ("expanded_x", "expanded_row_idx", "counts"), x=x, expert_idx=expert_idx,
+                   start=start, end=end, cumsum=expert_tokens_num_type == 0, expanded_x=expanded_x,
+                   expanded_row_idx=expanded_row_idx, counts=counts)
+    return expanded_x, expanded_row_idx, counts, torch.empty(0, dtype=torch.float32, device=x.device)
+
+
+def _init_routing(x, expert_idx, start, end, cumsum, expanded_x, expanded_row_idx, counts):
+    # The doc's equivalent code (dropless, gather index): the pairs of experts in [start, end) sorted by expert,
+    # stably; expanded_row_idx[(t, k) flat] is where the pair landed, -1 for experts outside the range.
+    flat = expert_idx.reshape(-1).long()
+    order = torch.where(flat < start, torch.iinfo(torch.int32).max, flat).argsort(stable=True)
+    held = (flat >= start) & (flat < end)
+    n = int(held.sum())
+    expanded_row_idx.fill_(-1)
+    expanded_row_idx[order[:n]] = torch.arange(n, dtype=torch.int32)
+    expanded_x[:n] = x[order[:n] // expert_idx.shape[1]]
+    if expanded_x.is_floating_point():
+        expanded_x[n:] = float("nan")  # not written by the op
+    tokens = torch.bincount(flat[held] - start, minlength=end - start)
+    counts.copy_(tokens.cumsum(0) if cumsum else tokens)
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+                       per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+                       activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+                       tuning_config=None, output_dtype=None, x_dtype=None, weight_dtype=None, scale_dtype=None,
+                       per_token_scale_dtype=None):
+    name = "npu_grouped_matmul"
+    _count(name)
+    _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)), f"{name}: x and weight are lists")
+    _not_in_fake(name, len(x) == 1 and len(weight) == 1, "more than one x or weight tensor")
+    _not_in_fake(name, all(a is None for a in (scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                                               activation_input, activation_quant_scale, activation_quant_offset,
+                                               x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype)),
+                 "quantisation")
+    _not_in_fake(name, act_type == 0 and tuning_config is None, "a fused activation or tuning_config")
+    x, w = x[0], weight[0]
+    _on_device(name, x=x, weight=w)
+    _require(x.dim() == 2 and w.dim() == 3, f"{name}: x must be 2-D and the weight 3-D [E, K, N], got "
+                                            f"{x.dim()}-D and {w.dim()}-D")
+    _require(split_item in (2, 3), f"{name}: one x with one 3-D weight needs split_item 2 or 3, got {split_item}")
+    _not_in_fake(name, group_type == 0, f"group_type={group_type} (the fake groups along M: 0)")
+    _require(group_list is not None, f"{name}: group_list is required with a 3-D weight")
+    _on_device(name, group_list=group_list)
+    _require(group_list.dtype == torch.int64 and group_list.dim() == 1, f"{name}: group_list must be 1-D int64, got "
+                                                                        f"{group_list.dim()}-D {group_list.dtype}")
+    _require(group_list_type in (0, 1), f"{name}: group_list_type must be 0 (cumsum) or 1 (counts) for "
+                                        f"{x.dtype} (2 needs int8 x and weight), got {group_list_type}")
+    _require(len(group_list) == w.shape[0] <= 1024,
+             f"{name}: one group per expert of the weight ({w.shape[0]}), at most 1024; "
+             f"group_list has {len(group_list)}")
+    _require(x.shape[1] == w.shape[1], f"{name}: x's inner dim {x.shape[1]} != the weight's K {w.shape[1]}")
+    _require(w.shape[1] < 65536 and w.shape[2] < 65536, f"{name}: inner dims must be < 65536, got {list(w.shape[1:])}")
+    _require(x.dtype == w.dtype and x.dtype in _HALF,
+             f"{name}: unquantised x and weight must be float16 or bfloat16, one dtype; got {x.dtype}, {w.dtype}")
+    _require(output_dtype in (None, x.dtype), f"{name}: unquantised output is x's dtype {x.dtype}")
+    if bias is not None:
+        _require(len(bias) == 1 and bias[0].shape == (w.shape[0], w.shape[2]), f"{name}: bias must be [[E, N]]")
+        want = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
+        _require(bias[0].dtype == want, f"{name}: a {x.dtype} matmul takes a {want} bias, got {bias[0].dtype}")
+        _on_device(name, bias=bias[0])
+    if not _graphs.is_capturing():  # (a capture cannot read device values back)
+        sizes = group_list.tolist()
+        sizes = sizes if group_list_type == 1 else [b - a for a, b in zip([0] + sizes, sizes)]
+        _require(min(sizes, default=0) >= 0, f"{name}: group sizes must be >= 0 (a cumsum non-decreasing)")
+        # The doc asks sum == x rows; vllm-ascend passes more rows (those of other ranks' experts) and relies on
+        # the op leaving them alone, so the fake takes more rows and leaves them unwritten.
+        _require(sum(sizes) <= x.shape[0], f"{name}: the groups hold {sum(sizes)} rows, x has {x.shape[0]}")
+    y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    _graphs.launch(_grouped_matmul, ("y",), x=x, weight=w, bias=None if bias is None else bias[0],
+                   group_list=group_list, cumulative=group_list_type == 0, y=y)
+    return [y]
+
+
+def _grouped_matmul(x, weight, bias, group_list, cumulative, y):
+    sizes = group_list.diff(prepend=group_list.new_zeros(1)) if cumulative else group_list
+    y.fill_(float("nan"))  # rows past the groups are not written
+    start = 0
+    for expert, size in enumerate(sizes.tolist()):
+        out = x[start : start + size].float() @ weight[expert].float()
+        y[start : start + size] = out if bias is None else out + bias[expert].float()
+        start += size
+
+
+def npu_swiglu(x, dim=-1):
+    name = "npu_swiglu"
+    _count(name)
+    _on_device(name, x=x)
+    _require(x.dtype in _FLOAT, f"{name}: x must be float16/bfloat16/float32, got {x.dtype}")
+    _require(1 <= x.dim() <= 8 and x.numel() > 0 and x.is_contiguous(),
+             f"{name}: x must be 1-8-D, non-empty, contiguous")
+    _require(x.shape[dim] % 2 == 0, f"{name}: dim {dim} must have an even size, got {x.shape[dim]}")
+    shape = list(x.shape)
+    shape[dim] //= 2
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    _graphs.launch(_swiglu, ("out",), x=x, dim=dim, out=out)
+    return out
+
+
+def _swiglu(x, dim, out):
+    a, b = x.float().chunk(2, dim=dim)  # the first half goes through silu
+    out.copy_(torch.nn.functional.silu(a) * b)
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    name = "npu_moe_token_unpermute"
+    _count(name)
+    _on_device(name, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices)
+    _require(permuted_tokens.dim() == 2 and permuted_tokens.dtype in _FLOAT,
+             f"{name}: permuted_tokens must be 2-D float16/bfloat16/float32")
+    _require(sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32,
+             f"{name}: sorted_indices must be 1-D int32, got {sorted_indices.dim()}-D {sorted_indices.dtype}")
+    _require(not padded_mode and restore_shape is None,
+             f"{name}: only padded_mode=False, restore_shape=None are supported")
+    top_k = 1
+    if probs is not None:
+        _on_device(name, probs=probs)
+        _require(probs.dim() == 2 and probs.dtype in _FLOAT, f"{name}: probs must be 2-D float16/bfloat16/float32")
+        top_k = probs.shape[1]
+    _require(top_k <= 512, f"{name}: topK must be <= 512 on Atlas A2/A3, got {top_k}")
+    pairs = len(sorted_indices)
+    tokens = pairs // top_k
+    _require(permuted_tokens.shape[0] == pairs and (probs is None or probs.shape[0] * top_k == pairs),
+             f"{name}: permuted_tokens [N*K, H] and sorted_indices [N*K] with probs [N, K]: got "
+             f"{list(permuted_tokens.shape)}, {pairs}, {None if probs is None else list(probs.shape)}")
+    if pairs and not _graphs.is_capturing():  # (a capture cannot read device values back)
+        values = sorted_indices.tolist()
+        _require(min(values) >= 0 and max(values) < pairs, f"{name}: sorted_indices must be in [0, {pairs - 1}]")
+        _require(len(set(values)) == pairs, f"{name}: sorted_indices must not repeat an index")
+    out = torch.empty(tokens, permuted_tokens.shape[1], dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    _graphs.launch(_unpermute, ("out",), permuted_tokens=permuted_tokens, sorted_indices=sorted_indices, probs=probs,
+                   out=out)
+    return out
+
+
+def _unpermute(permuted_tokens, sorted_indices, probs, out):
+    # out[i] = sum over j < K of probs[i, j] * permuted_tokens[sorted_indices[i * K + j]]
+    rows = permuted_tokens.float().index_select(0, sorted_indices.long())
+    if probs is not None:
+        rows = rows * probs.float().reshape(-1, 1)
+    out.copy_(rows.view(out.shape[0], -1, out.shape[1]).sum(1))
 
 
 def npu_fusion_attention(*args, **kwargs):
