@@ -97,6 +97,13 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_bench_moe(args) -> int:
+    from backend.bench_moe import run_moe_bench
+
+    run_moe_bench(args)
+    return 0
+
+
 def _cmd_bench_serving(args) -> int:
     from backend.bench_serving import run_serving_bench
 
@@ -189,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--profile", dest="profile_dir", metavar="DIR",
                             help="profile the timed run: a trace and a per-step breakdown into DIR")
     throughput.set_defaults(func=_cmd_bench)
+    moe = kinds.add_parser("moe", help="one MoE layer's experts: the fused CPU kernel vs. the per-expert loop")
+    moe.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
+    moe.add_argument("--experts", type=int, default=64)
+    moe.add_argument("--top-k", type=int, default=8)
+    moe.add_argument("--hidden", type=int, default=512)
+    moe.add_argument("--intermediate", type=int, default=192, help="one expert's intermediate size")
+    moe.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    moe.set_defaults(func=_cmd_bench_moe)
     serving = kinds.add_parser("serving", help="serving overhead: in-process vs. Triton gRPC vs. gateway")
     add_serve_args(serving)
     serving.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)

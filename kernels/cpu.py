@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_ref
-from kernels.torch_ref import fused_experts, pack_expert_weights, select_experts  # noqa: F401  (MoE: see below)
+from kernels.timing import scope
+from kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from kernels.cpu_features import BUILDS, cpu_features
 from kernels.metadata import AttentionMetadata
 
@@ -203,6 +204,49 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         return torch_ref.rotary_embedding(positions, query, key, cos_sin_cache)
     q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache)
     return q, k
+
+
+# Experts with this many tokens or more run their matmuls through oneDNN (bf16 on AMX / AVX512-BF16, fp32 on any
+# x86), fewer through csrc/fused_moe_cpu.cpp's own FMA tiles (`npu-llm bench moe` measures both sides).
+ONEDNN_EXPERT_TOKENS = 48
+
+
+def pack_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For csrc/fused_moe_cpu.cpp, where this build has it: each expert's [N, K] weight as [N / S, K, S], stripes of
+    S output columns, K-major inside (so each of the kernel's tasks streams one contiguous block). Else as they are,
+    for torch_ref."""
+    ext = _extension()
+    stripe = ext.expert_stripe() if ext is not None and ext.has_fused_experts() else 0
+    if not stripe or w13.dtype not in (torch.float32, torch.bfloat16) or w13.shape[1] % stripe or w2.shape[1] % stripe:
+        return w13, w2
+    w13, w2 = _in_stripes(w13, stripe), _in_stripes(w2, stripe)
+    w13.stripes = w2.stripes = True
+    return w13, w2
+
+
+def _in_stripes(w: torch.Tensor, stripe: int) -> torch.Tensor:
+    experts, n, k = w.shape
+    return w.view(experts, n // stripe, stripe, k).transpose(2, 3).contiguous()
+
+
+def _whole(w: torch.Tensor) -> torch.Tensor:
+    """pack_expert_weights' stripes back as [E, N, K]."""
+    experts, stripes, k, stripe = w.shape
+    return w.transpose(2, 3).reshape(experts, stripes * stripe, k)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """torch_ref.fused_experts in one C++ call on the weights pack_expert_weights put in stripes; else the
+    per-expert loop."""
+    ext = _extension()
+    with scope("moe.experts"):
+        if not getattr(w13, "stripes", False):
+            return torch_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert)
+        if ext is None:  # (NPU_LLM_CPU_KERNELS=0 after packing)
+            return torch_ref.fused_experts(x, _whole(w13), _whole(w2), topk_weights, topk_ids, first_expert)
+        onednn_from = ONEDNN_EXPERT_TOKENS if x.dtype == torch.float32 or cpu_features().native_bf16 else 0
+        return ext.fused_experts(x.contiguous(), w13, w2, topk_weights, topk_ids, first_expert, onednn_from)
 
 
 def describe() -> str:

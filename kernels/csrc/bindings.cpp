@@ -35,5 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_weights", &linear_bf16_weights, "a few rows times bf16 weights, in fp32 (AVX2)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.def("has_linear_bf16_weights", &has_linear_bf16_weights, "whether this build has linear_bf16_weights");
+  m.def("fused_experts", &fused_experts, "a MoE layer's experts on tokens sorted by expert, combined per token");
+  m.def("has_fused_experts", &has_fused_experts, "whether this build has fused_experts");
+  m.def("expert_stripe", &expert_stripe, "the columns of one stripe of fused_experts' weights");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key; returns new tensors");
 }

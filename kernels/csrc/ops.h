@@ -36,3 +36,11 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 // (has_linear_bf16_weights says whether this build has it).
 at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 bool has_linear_bf16_weights();
+// The experts of a MoE layer (kernels/torch_ref.py fused_experts), x and weights fp32 or bf16, the weights in stripes
+// of expert_stripe() columns ([E, N / S, K, S]); experts with at least `onednn_from` tokens (0: none) run their
+// matmuls through oneDNN. has_fused_experts: whether this build has it.
+at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t first_expert,
+                         int64_t onednn_from);
+bool has_fused_experts();
+int64_t expert_stripe();

@@ -1,0 +1,212 @@
+// The experts of one MoE layer in one call (kernels/torch_ref.py fused_experts defines it): the (token, expert)
+// pairs sorted by expert, each expert's gate/up matmul, silu(gate) * up, its down matmul, and the weighted sum
+// back per token.
+//
+// Why a kernel: at decode an expert sees a few tokens, and torch_ref's per-expert loop spends more time issuing
+// 64 experts' small matmuls from Python than in them. Here the experts with few tokens are (expert, stripe of
+// output columns) tasks of one parallel region. The weights are stored in stripes, [E, N / S, K, S]
+// (pack_expert_weights in kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and
+// computes outer products: each weight vector read once per four tokens, each token's value broadcast, no
+// horizontal sums. An expert with many tokens (prefill) gets oneDNN's matmul instead, where the bf16 hardware
+// (AMX, AVX512-BF16) beats FMAs. Rounding follows torch_ref: matmul outputs and
+// the activation are rounded to the dtype; the per-token sum is in fp32.
+#include "ops.h"
+
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+
+namespace {
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int64_t kWidth = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+#else
+using vec = __m256;
+constexpr int64_t kWidth = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
+constexpr int64_t kTokens = 4;   // tokens per register tile
+constexpr int64_t kVectors = 4;  // output vectors per register tile: 4 x 4 accumulators
+constexpr int64_t kStripe = kVectors * kWidth;  // output columns per task
+
+// y[m][n0 .. n0 + kStripe) = x[m] w[:, n0 .. n0 + kStripe) for M tokens: x [M, k] fp32 (row stride k), the
+// stripe's weights `w` [k, kStripe], contiguous.
+template <int M, typename T>
+inline void tile(const float* x, const T* w, int64_t k, int64_t n, int64_t n0, T* y) {
+  vec acc[M][kVectors];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVectors; ++v) acc[m][v] = vzero();
+  for (int64_t c = 0; c < k; ++c) {
+    const T* row = w + c * kStripe;
+    vec wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = vload(row + v * kWidth);
+    for (int m = 0; m < M; ++m) {
+      const vec xm = vset(x[m * k + c]);
+      for (int v = 0; v < kVectors; ++v) acc[m][v] = vfma(xm, wv[v], acc[m][v]);
+    }
+  }
+  alignas(64) float out[kStripe];
+  for (int m = 0; m < M; ++m) {
+    for (int v = 0; v < kVectors; ++v) vstore(out + v * kWidth, acc[m][v]);
+    for (int64_t i = 0; i < kStripe; ++i) y[m * n + n0 + i] = static_cast<T>(out[i]);  // rounds, as a matmul does
+  }
+}
+
+template <typename T>
+void stripe(const float* x, int64_t m, const T* w, int64_t k, int64_t n, int64_t n0, T* y) {
+  for (int64_t t = 0; t < m; t += kTokens) {  // the stripe's weights: from memory once, then from cache
+    switch (std::min(kTokens, m - t)) {
+      case 1: tile<1>(x + t * k, w, k, n, n0, y + t * n); break;
+      case 2: tile<2>(x + t * k, w, k, n, n0, y + t * n); break;
+      case 3: tile<3>(x + t * k, w, k, n, n0, y + t * n); break;
+      default: tile<4>(x + t * k, w, k, n, n0, y + t * n); break;
+    }
+  }
+}
+
+// y [pairs, n] = x [pairs, k] w_e [k, n] for each expert's rows of x (w: [E, n / kStripe, k, kStripe]): the experts
+// with fewer than `big` pairs in one parallel region of (expert, stripe) tasks, then the others one oneDNN matmul
+// each (parallel inside; their [k, n] weights are put back together first, a small copy beside the matmul).
+template <typename T>
+void experts_matmul(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& offsets, int64_t big,
+                    at::Tensor& y) {
+  const int64_t experts = w.size(0), k = w.size(2), n = w.size(1) * kStripe;
+  const at::Tensor xf = x.to(at::kFloat);  // (broadcast from fp32: one instruction per token and k)
+  const float* xs = xf.data_ptr<float>();
+  const T* ws = w.data_ptr<T>();
+  T* ys = y.data_ptr<T>();
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (expert, first column)
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    if (count > 0 && count < big)
+      for (int64_t c = 0; c < n; c += kStripe) tasks.emplace_back(e, c);
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [e, c] = tasks[i];
+      const int64_t first = offsets[e];
+      stripe(xs + first * k, offsets[e + 1] - first, ws + e * k * n + c * k, k, n, c, ys + first * n);
+    }
+  });
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t first = offsets[e], count = offsets[e + 1] - first;
+    if (count >= big)
+      y.narrow(0, first, count).copy_(at::matmul(x.narrow(0, first, count), w[e].permute({1, 0, 2}).reshape({k, n})));
+  }
+}
+
+// out[t] = sum over t's pairs held here of weight * down[pair], in fp32, in the order of t's choices.
+template <typename T>
+at::Tensor combine(const at::Tensor& down, const at::Tensor& weights, const std::vector<int64_t>& slot,
+                   int64_t tokens, int64_t top_k) {
+  const int64_t hidden = down.size(1);
+  at::Tensor out = at::zeros({tokens, hidden}, down.options().dtype(at::kFloat));
+  const T* d = down.data_ptr<T>();
+  const float* wt = weights.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t s = slot[t * top_k + j];
+        if (s < 0) continue;
+        const vec scale = vset(static_cast<float>(static_cast<T>(wt[t * top_k + j])));  // (weights in the dtype)
+        for (int64_t c = 0; c < hidden; c += kWidth)
+          vstore(o + t * hidden + c, vfma(scale, vload(d + s * hidden + c), vload(o + t * hidden + c)));
+      }
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t first_expert,
+                         int64_t onednn_from) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w13.is_contiguous() &&
+                  w2.is_contiguous(),
+              "contiguous x [T, H] and w13, w2 [E, N / S, K, S] (expert_stripe()'s S) expected");
+  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(3) == kStripe && w2.size(3) == kStripe,
+              "w13 and w2 must be in stripes of ", kStripe, " columns");
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = w13.size(0), inter = w2.size(2);
+  TORCH_CHECK(w13.size(2) == hidden && w13.size(1) * kStripe == 2 * inter && w2.size(0) == experts &&
+                  w2.size(1) * kStripe == hidden,
+              "w13 (H x 2I) and w2 (I x H) must agree with x");
+  TORCH_CHECK(x.scalar_type() == w13.scalar_type() && w13.scalar_type() == w2.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x and the expert weights must share a dtype, float32 or bfloat16");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(),
+              "topk_ids and topk_weights must be [T, k]");
+  const int64_t top_k = topk_ids.size(1), pairs = tokens * top_k;
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+
+  // Counting sort of the pairs held here by expert (stable: by token inside an expert); slot[p]: pair p's row.
+  std::vector<int64_t> offsets(experts + 1, 0), slot(pairs, -1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t e = id[p] - first_expert;
+    if (e >= 0 && e < experts) ++offsets[e + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  const int64_t held = offsets[experts];
+  at::Tensor rows = at::empty({held}, ids.options());
+  int64_t* row = rows.data_ptr<int64_t>();
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t e = id[p] - first_expert;
+    if (e >= 0 && e < experts) {
+      slot[p] = next[e];
+      row[next[e]++] = p / top_k;
+    }
+  }
+
+  const int64_t big = onednn_from > 0 ? onednn_from : pairs + 1;  // experts with this many pairs: oneDNN
+  const at::Tensor gathered = at::index_select(x, 0, rows);
+  at::Tensor gate_up = at::empty({held, 2 * inter}, x.options());
+  at::Tensor down = at::empty({held, hidden}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    experts_matmul<at::BFloat16>(gathered, w13, offsets, big, gate_up);
+    experts_matmul<at::BFloat16>(silu_and_mul(gate_up), w2, offsets, big, down);
+    return combine<at::BFloat16>(down, weights, slot, tokens, top_k).to(at::kBFloat16);
+  }
+  experts_matmul<float>(gathered, w13, offsets, big, gate_up);
+  experts_matmul<float>(silu_and_mul(gate_up), w2, offsets, big, down);
+  return combine<float>(down, weights, slot, tokens, top_k);
+}
+
+bool has_fused_experts() { return true; }
+int64_t expert_stripe() { return kStripe; }
+
+#else  // neither AVX-512 nor AVX2: torch_ref's per-expert loop takes these calls
+
+at::Tensor fused_experts(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         int64_t, int64_t) {
+  TORCH_CHECK(false, "fused_experts needs AVX2 and FMA, or AVX-512");
+}
+
+bool has_fused_experts() { return false; }
+int64_t expert_stripe() { return 0; }
+
+#endif
