@@ -60,9 +60,15 @@ def test_moe_experts_sharded_or_spread_over_two_ranks_equal_one(arch, tmp_path, 
     whole. Both give one process's greedy tokens and top-5 logprobs (GLM-4.5: with its shared expert)."""
     model_dir = make_tiny_model(arch, tmp_path / arch)
     alone, _ = _generate(model_dir, default_model_dir, 1)
-    _assert_same(alone, _generate(model_dir, default_model_dir, 2)[0])
-    _assert_same(alone, _generate(model_dir, default_model_dir, 2, enable_expert_parallel=True)[0])
-
+    sharded, stats = _generate(model_dir, default_model_dir, 2)
+    _assert_same(alone, sharded)
+    spread, spread_stats = _generate(model_dir, default_model_dir, 2, enable_expert_parallel=True)
+    _assert_same(alone, spread)
+    # The expert load: every (token, expert) pair of the two sparse layers, counted once per rank that served it.
+    pairs = stats.num_computed_tokens * 2 * 2  # top-2, two MoE layers of three
+    assert stats.expert_load == [pairs]  # tensor parallel: both ranks serve every pair
+    assert sum(spread_stats.expert_load) == pairs and len(spread_stats.expert_load) == 2
+    assert min(spread_stats.expert_load) > 0
 
 def _assert_same(alone, sharded) -> None:
     """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4."""

@@ -13,7 +13,7 @@ import logging
 import operator
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,6 +65,7 @@ class EngineStats:
     num_steps: int
     kv_cache_waste: float  # allocated but unused slots / allocated, averaged over steps
     num_kv_blocks: int
+    expert_load: list[int] = field(default_factory=list)  # MoE: (token, expert) pairs served per rank
 
 
 class LLMEngine:
@@ -123,6 +124,7 @@ class LLMEngine:
         self._waste_sum = 0.0
         self.profiler = Profiler(self.platform, config.profile_dir) if config.profile_dir else None
         self._warm_up()
+        self.model.init_expert_load()  # (counting from here: warm-up's tokens are not served ones)
         device = f"cpu ({cpu_kernels.describe()})" if self.platform.name == "cpu" else self.platform.device
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
                  config.block_size)
@@ -275,11 +277,11 @@ class LLMEngine:
 
     def start_profile(self) -> None:
         """Start a capture (trace + step breakdown) into config.profile_dir; see backend/engine/profiler.py."""
-        self._configured_profiler().start()
+        self._configured_profiler().start(self.model.expert_load())
 
     def stop_profile(self) -> ProfileResult:
         """End the capture: writes the trace and the breakdown table, and returns them."""
-        return self._configured_profiler().stop()
+        return self._configured_profiler().stop(self.model.expert_load())
 
     def _configured_profiler(self) -> Profiler:
         if self.profiler is None:
@@ -436,6 +438,7 @@ class LLMEngine:
             num_steps=self._num_steps,
             kv_cache_waste=self._waste_sum / self._num_steps if self._num_steps else 0.0,
             num_kv_blocks=self.kv.num_blocks,
+            expert_load=self.model.expert_load(),
         )
 
 

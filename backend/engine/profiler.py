@@ -41,6 +41,11 @@ ROWS = {
     "decode attention": ("attention.decode",),
     "norms, rotary, activation": ("forward",),
     "TP all-reduce, all-gather": ("all_reduce", "all_gather"),
+    # MoE layers (on the CPU dispatch and combine are inside the one fused-experts call)
+    "MoE router": ("moe.router",),
+    "MoE dispatch": ("moe.dispatch",),
+    "MoE experts": ("moe.experts",),
+    "MoE combine": ("moe.combine",),
     "sampler": ("sample",),
     "scheduler, Python bookkeeping": ("schedule", "prepare", "step"),
     "detokenization": ("detokenize",),
@@ -72,6 +77,7 @@ class ProfileResult:
     trace_path: str
     wall_s: float  # from start to stop
     steps: list[StepRecord] = field(default_factory=list)
+    expert_load: list[int] = field(default_factory=list)  # MoE: (token, expert) pairs per rank in the capture
 
     def breakdown(self) -> dict[str, dict[str, dict[str, float]]]:
         """{step kind or "all": {row: {"ms_per_step", "pct_wall"}}}, with a "step total" row."""
@@ -103,15 +109,21 @@ class ProfileResult:
             head, sub,
         ]
         for row in list(ROWS) + ["step total"]:
+            if row.startswith("MoE") and not any(breakdown[k][row]["ms_per_step"] for k in kinds):
+                continue  # a dense model, or a platform without that piece
             cells = "".join(
                 f"{breakdown[k][row]['ms_per_step']:>14.2f}{breakdown[k][row]['pct_wall']:>9.1f}%" for k in kinds
             )
             lines.append(f"{row:31}{cells}")
+        if len(self.expert_load) > 1:
+            total = sum(self.expert_load) or 1
+            lines.append("MoE expert load per rank (token, expert pairs): " + ", ".join(
+                f"rank {r} {n} ({100 * n / total:.0f}%)" for r, n in enumerate(self.expert_load)))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"trace_path": self.trace_path, "wall_s": self.wall_s, "num_steps": len(self.steps),
-                "breakdown": self.breakdown()}
+                "breakdown": self.breakdown(), "expert_load": self.expert_load}
 
 
 class Profiler:
@@ -124,13 +136,15 @@ class Profiler:
         self._recorder: timing.Recorder | None = None
         self._steps: list[StepRecord] = []
         self._start = 0.0
+        self._load_at_start: list[int] = []
         self._captures = 0
 
     @property
     def active(self) -> bool:
         return self._recorder is not None
 
-    def start(self) -> None:
+    def start(self, expert_load: list[int] = ()) -> None:
+        """`expert_load`: the model's expert_load() now, so that stop() can report the capture's share."""
         if self.active:
             raise RuntimeError("a profile capture is already running")
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +153,7 @@ class Profiler:
         self._recorder = timing.Recorder(self.platform.synchronize)
         timing.install(self._recorder)
         self._steps = []
+        self._load_at_start = list(expert_load)
         self._start = time.perf_counter()
         log.info("profiling started; trace and table go to %s", self.out_dir)
 
@@ -150,7 +165,7 @@ class Profiler:
         scopes["step"] = scopes.get("step", 0.0) + max(0.0, seconds - sum(scopes.values()))
         self._steps.append(StepRecord(kind, num_prefill_tokens, num_decode_tokens, scopes))
 
-    def stop(self) -> ProfileResult:
+    def stop(self, expert_load: list[int] = ()) -> ProfileResult:
         if not self.active:
             raise RuntimeError("no profile capture is running")
         wall = time.perf_counter() - self._start
@@ -159,7 +174,8 @@ class Profiler:
         self._trace.stop()
         self._captures += 1
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._captures}"
-        result = ProfileResult(self._export_trace(stamp), wall, self._steps)
+        load = [n - before for n, before in zip(expert_load, self._load_at_start)]
+        result = ProfileResult(self._export_trace(stamp), wall, self._steps, load)
         (self.out_dir / f"breakdown-{stamp}.txt").write_text(result.table() + "\n")
         (self.out_dir / f"breakdown-{stamp}.json").write_text(json.dumps(result.to_dict(), indent=1))
         log.info("profile written:\n%s", result.table())

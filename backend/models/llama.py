@@ -334,6 +334,20 @@ class LlamaForCausalLM(nn.Module):
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head_weight = self.ops.pack_linear_weight(head.data)
 
+    def init_expert_load(self) -> None:
+        """One counter, on the model's device, that every MoE layer adds its pairs to (again: from zero)."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        if blocks:
+            counts = torch.zeros(blocks[0].num_load_ranks, dtype=torch.long, device=self.model.embed_tokens.weight.device)
+            for block in blocks:
+                block.expert_load = counts
+
+    def expert_load(self) -> list[int]:
+        """(token, expert) pairs served per rank since the start, over all MoE layers (empty for a dense model);
+        under tensor parallel without expert parallel one entry: every rank serves every pair."""
+        block = next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)), None)
+        return [] if block is None or block.expert_load is None else block.expert_load.tolist()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with scope("matmul"):
             if self.lm_head_weight is not None:

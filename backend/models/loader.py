@@ -108,6 +108,7 @@ def load_model(
     module = module.to_empty(device=device)
     _load_weights(module, _checkpoint_files(model_dir))
     module.pack_weights()
+    module.init_expert_load()
     module.init_rope(max_model_len or max_model_len_of(config))
     return module.eval(), config, model_dir
 

@@ -137,6 +137,12 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(config.hidden_size, spec, ops, tp, expert_parallel)
         self.shared_experts = (MLP(config, ops, tp, spec.shared_intermediate_size, reduce_results=False)
                                if spec.shared_intermediate_size else None)
+        # (token, expert) pairs each rank has served, counted from the router's choice, which every rank makes
+        # alike: under expert parallel a pair goes to the rank holding its expert; under tensor parallel, to all.
+        # One counter for the whole model (set by LlamaForCausalLM.init_expert_load), so reading it is one copy.
+        self.experts_per_rank = self.experts.num_local_experts if expert_parallel else spec.num_experts
+        self.num_load_ranks = tp.size if expert_parallel else 1
+        self.expert_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
@@ -144,6 +150,9 @@ class SparseMoeBlock(nn.Module):
             topk_weights, topk_ids = self.ops.select_experts(
                 self.gate(x), spec.top_k, spec.renormalize, spec.scoring_func, spec.num_expert_group,
                 spec.topk_group, self.gate.e_score_correction_bias, spec.routed_scaling_factor)
+        if self.expert_load is not None:
+            ranks = topk_ids.reshape(-1).long() // self.experts_per_rank  # (fixed shapes: fine under graph capture)
+            self.expert_load.index_add_(0, ranks, torch.ones_like(ranks))
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

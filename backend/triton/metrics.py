@@ -129,6 +129,12 @@ class VllmMetrics:
             labels={**labels, **cache_info}).set(1)
         new_family("npu_llm:engine_info", "Engine model and device.", Family.GAUGE).Metric(
             labels={**labels, **info}).set(1)
+        # MoE models: (token, expert) pairs each rank served, so that an uneven expert parallel split shows
+        self._expert_pairs = new_family("npu_llm:moe_expert_pairs_total",
+                                        "Cumulative (token, expert) pairs served per rank (MoE models).", Family.COUNTER)
+        self._expert_pairs_by_rank: dict[int, object] = {}
+        self._expert_pairs_seen: list[int] = []
+        self._labels = labels
         self._stats_fn = stats_fn
         self._take_iteration_tokens = take_iteration_tokens
         self._preemptions_seen = 0
@@ -162,6 +168,16 @@ class VllmMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.increment(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
+        self._count_expert_pairs(stats.expert_load)
+
+    def _count_expert_pairs(self, load: list[int]) -> None:
+        seen = self._expert_pairs_seen + [0] * (len(load) - len(self._expert_pairs_seen))
+        for rank, (now, before) in enumerate(zip(load, seen)):
+            if rank not in self._expert_pairs_by_rank:
+                self._expert_pairs_by_rank[rank] = self._expert_pairs.Metric(labels={**self._labels, "rank": str(rank)})
+            if now > before:
+                self._expert_pairs_by_rank[rank].increment(now - before)
+        self._expert_pairs_seen = list(load)
 
     def _observe(self, r: RequestRecord) -> None:
         self.prompt_tokens.increment(r.prompt_tokens)
