@@ -57,8 +57,8 @@ def test_capture_writes_a_trace_and_a_breakdown_that_sums_to_the_steps(tiny_llam
     assert 0 < everything["step total"]["pct_wall"] <= 100
 
     table = result.table()
-    for row in ROWS:
-        assert row in table
+    for row in ROWS:  # (a dense model's table leaves out the MoE rows)
+        assert (row in table) != row.startswith("MoE")
     written = sorted(tmp_path.glob("breakdown-*.txt"))
     assert len(written) == 1 and written[0].read_text().strip() == table
 
