@@ -141,6 +141,7 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
 
     num_layers = len(model.model.layers)
     groups = [range(g * num_layers // LAYER_GROUPS, (g + 1) * num_layers // LAYER_GROUPS) for g in range(LAYER_GROUPS)]
+    groups = [layers for layers in groups if layers]  # (a model of fewer layers than groups)
     hidden = {g: ([], []) for g in range(len(groups))}  # group -> (device states, reference states)
     logits, top1, greedy = ([], []), [], []
 

@@ -219,19 +219,29 @@ def pack_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tens
     stripe = ext.expert_stripe() if ext is not None and ext.has_fused_experts() else 0
     if not stripe or w13.dtype not in (torch.float32, torch.bfloat16) or w13.shape[1] % stripe or w2.shape[1] % stripe:
         return w13, w2
-    w13, w2 = _in_stripes(w13, stripe), _in_stripes(w2, stripe)
-    w13.stripes = w2.stripes = True
+    pairs = w13.dtype == torch.bfloat16 and ext.expert_pairs()  # AVX512-BF16: k in pairs, for its dot products
+    if pairs and (w13.shape[2] % 2 or w2.shape[2] % 2):
+        return w13, w2
+    w13, w2 = _in_stripes(w13, stripe, pairs), _in_stripes(w2, stripe, pairs)
+    w13.stripes = w2.stripes = "pairs" if pairs else "single"
     return w13, w2
 
 
-def _in_stripes(w: torch.Tensor, stripe: int) -> torch.Tensor:
+def _in_stripes(w: torch.Tensor, stripe: int, pairs: bool) -> torch.Tensor:
+    """[E, N, K] as [E, N / S, K, S], or in pairs of k, [E, N / S, K / 2, S, 2] (stored as [E, N / S, K, S])."""
     experts, n, k = w.shape
-    return w.view(experts, n // stripe, stripe, k).transpose(2, 3).contiguous()
+    if not pairs:
+        return w.view(experts, n // stripe, stripe, k).transpose(2, 3).contiguous()
+    paired = w.view(experts, n // stripe, stripe, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    return paired.view(experts, n // stripe, k, stripe)
 
 
 def _whole(w: torch.Tensor) -> torch.Tensor:
     """pack_expert_weights' stripes back as [E, N, K]."""
     experts, stripes, k, stripe = w.shape
+    if w.stripes == "pairs":
+        paired = w.view(experts, stripes, k // 2, stripe, 2).permute(0, 1, 3, 2, 4)
+        return paired.reshape(experts, stripes * stripe, k)
     return w.transpose(2, 3).reshape(experts, stripes * stripe, k)
 
 

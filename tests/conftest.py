@@ -121,17 +121,18 @@ def _tiny_config(arch: str):
     if arch == "mixtral":
         return MixtralConfig(**{**TINY, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
                              sliding_window=None, tie_word_embeddings=False)
-    if arch == "glm4_moe":  # sigmoid routing in 4 groups, shared expert, first layer dense, partial rotary
+    if arch == "glm4_moe":  # sigmoid routing in 2 groups of 4, shared expert, first layer dense, partial rotary
         return Glm4MoeConfig(**{**TINY, "num_hidden_layers": 3}, **TINY_MOE, n_routed_experts=8, n_shared_experts=1,
-                             n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                             n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                              first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
                              tie_word_embeddings=False)
     raise ValueError(arch)
 
 
-def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"]):
+def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"], decisive_routing: bool = True):
     """A Hugging Face folder with random weights (biases made non-zero so they matter); a real tokenizer's
-    `vocab_size` lets it take text."""
+    `vocab_size` lets it take text. MoE models get experts that matter and, with decisive_routing, router logits
+    far apart, so that a wrong choice of experts shows; without it, bf16 and fp32 seldom choose differently."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -142,6 +143,10 @@ def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"]):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif ".experts." in name or ".shared_experts." in name:
+                p.mul_(8)  # at the init's scale the experts' share of the residual stream is a few percent
+            elif name.endswith("mlp.gate.weight") and decisive_routing:
+                p.mul_(30)  # decisive routing: a wrong choice of experts changes the output
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # steers the choice of experts: make it matter
                 b.normal_(0, 0.5)

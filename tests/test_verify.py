@@ -36,3 +36,32 @@ def test_the_npu_passes_in_bfloat16_and_a_broken_kernel_fails(fake_npu, monkeypa
     _, figures = verify(EngineConfig(device="npu", dtype="bfloat16"), steps=2)
     failed = {f.name for f in figures if not f.passed}
     assert {"layers 1-7 cosine", "logits cosine", "logits top-1 agreement"} <= failed, failed
+
+
+@pytest.mark.slow
+def test_a_moe_model_passes_on_the_npu_with_decode_graphs_and_a_broken_router_fails(fake_npu, monkeypatch, tmp_path,
+                                                                                  default_model_dir):
+    """GLM-4.5's routing (grouped sigmoid, correction bias, shared expert) through torch_npu's MoE ops, replayed
+    in decode graphs, against torch_ref in fp32; choosing the wrong experts is caught."""
+    from backend.verify import verify
+    from kernels import npu
+    from tests.conftest import make_tiny_model
+
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))  # (verify's prompts are text)
+    model = make_tiny_model("glm4_moe", tmp_path / "glm", vocab_size=vocab, decisive_routing=False)
+    config = dict(model=str(model), tokenizer=str(default_model_dir), device="npu", dtype="bfloat16")
+    heading, figures = verify(EngineConfig(**config, enforce_eager=False), steps=8)
+    assert "(decode graphs)" in heading
+    assert all(f.passed for f in figures), [(f.name, f.value) for f in figures if not f.passed]
+    assert fake_npu.calls.get("npu_grouped_matmul", 0) > 0 and fake_npu.calls.get("npu_moe_gating_top_k", 0) > 0
+
+    select = npu.select_experts
+
+    def least_likely_experts(router_logits, *args):
+        return select(-router_logits, *args)
+
+    monkeypatch.setattr(npu, "select_experts", least_likely_experts)
+    _, figures = verify(EngineConfig(**config), steps=2)
+    assert "layers 3-3 cosine" in {f.name for f in figures if not f.passed}

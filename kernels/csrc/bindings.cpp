@@ -38,5 +38,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_experts", &fused_experts, "a MoE layer's experts on tokens sorted by expert, combined per token");
   m.def("has_fused_experts", &has_fused_experts, "whether this build has fused_experts");
   m.def("expert_stripe", &expert_stripe, "the columns of one stripe of fused_experts' weights");
+  m.def("expert_pairs", &expert_pairs, "whether fused_experts' bf16 weights go in pairs of k");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key; returns new tensors");
 }

@@ -16,6 +16,8 @@
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/zeros.h>
 
+#include <type_traits>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -74,6 +76,50 @@ inline void tile(const float* x, const T* w, int64_t k, int64_t n, int64_t n0, T
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bf16 tile where the CPU has AVX512-BF16: weights in pairs of k ([k / 2, kStripe, 2] per stripe, see
+// expert_layout()), each dpbf16 multiplying 16 columns by two k at once, exactly, in fp32 (no widening, half the
+// instructions). x stays bf16: a token's two values go out as one 32-bit broadcast.
+template <int M>
+inline void tile_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t n0,
+                       at::BFloat16* y) {
+  __m512 acc[M][kVectors];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 2) {
+    const at::BFloat16* row = w + c * kStripe;  // (pair c / 2: kStripe columns x 2 values)
+    __m512bh wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(row + v * 2 * kWidth);
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * k + c, sizeof(pair));
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xm, wv[v]);
+    }
+  }
+  alignas(64) float out[kStripe];
+  for (int m = 0; m < M; ++m) {
+    for (int v = 0; v < kVectors; ++v) _mm512_store_ps(out + v * kWidth, acc[m][v]);
+    for (int64_t i = 0; i < kStripe; ++i) y[m * n + n0 + i] = static_cast<at::BFloat16>(out[i]);
+  }
+}
+
+void stripe_pairs(const at::BFloat16* x, int64_t m, const at::BFloat16* w, int64_t k, int64_t n, int64_t n0,
+                  at::BFloat16* y) {
+  for (int64_t t = 0; t < m; t += kTokens) {
+    switch (std::min(kTokens, m - t)) {
+      case 1: tile_pairs<1>(x + t * k, w, k, n, n0, y + t * n); break;
+      case 2: tile_pairs<2>(x + t * k, w, k, n, n0, y + t * n); break;
+      case 3: tile_pairs<3>(x + t * k, w, k, n, n0, y + t * n); break;
+      default: tile_pairs<4>(x + t * k, w, k, n, n0, y + t * n); break;
+    }
+  }
+}
+constexpr bool kPairs = true;
+#else
+constexpr bool kPairs = false;
+#endif
+
 template <typename T>
 void stripe(const float* x, int64_t m, const T* w, int64_t k, int64_t n, int64_t n0, T* y) {
   for (int64_t t = 0; t < m; t += kTokens) {  // the stripe's weights: from memory once, then from cache
@@ -93,8 +139,8 @@ template <typename T>
 void experts_matmul(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& offsets, int64_t big,
                     at::Tensor& y) {
   const int64_t experts = w.size(0), k = w.size(2), n = w.size(1) * kStripe;
-  const at::Tensor xf = x.to(at::kFloat);  // (broadcast from fp32: one instruction per token and k)
-  const float* xs = xf.data_ptr<float>();
+  constexpr bool pairs = kPairs && std::is_same_v<T, at::BFloat16>;
+  const at::Tensor xf = pairs ? x : x.to(at::kFloat);  // (FMA tiles broadcast from fp32: one instruction)
   const T* ws = w.data_ptr<T>();
   T* ys = y.data_ptr<T>();
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (expert, first column)
@@ -106,14 +152,23 @@ void experts_matmul(const at::Tensor& x, const at::Tensor& w, const std::vector<
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [e, c] = tasks[i];
-      const int64_t first = offsets[e];
-      stripe(xs + first * k, offsets[e + 1] - first, ws + e * k * n + c * k, k, n, c, ys + first * n);
+      const int64_t first = offsets[e], count = offsets[e + 1] - first;
+#if defined(__AVX512BF16__)
+      if constexpr (pairs) {
+        stripe_pairs(xf.data_ptr<at::BFloat16>() + first * k, count, ws + e * k * n + c * k, k, n, c, ys + first * n);
+        continue;
+      }
+#endif
+      stripe(xf.data_ptr<float>() + first * k, count, ws + e * k * n + c * k, k, n, c, ys + first * n);
     }
   });
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t first = offsets[e], count = offsets[e + 1] - first;
-    if (count >= big)
-      y.narrow(0, first, count).copy_(at::matmul(x.narrow(0, first, count), w[e].permute({1, 0, 2}).reshape({k, n})));
+    if (count < big) continue;
+    // [n / S, k, S] (or [n / S, k / 2, S, 2] in pairs) back to [k, n]
+    const at::Tensor whole = pairs ? w[e].view({n / kStripe, k / 2, kStripe, 2}).permute({1, 3, 0, 2}).reshape({k, n})
+                                   : w[e].permute({1, 0, 2}).reshape({k, n});
+    y.narrow(0, first, count).copy_(at::matmul(x.narrow(0, first, count), whole));
   }
 }
 
@@ -198,6 +253,7 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
 
 bool has_fused_experts() { return true; }
 int64_t expert_stripe() { return kStripe; }
+bool expert_pairs() { return kPairs; }
 
 #else  // neither AVX-512 nor AVX2: torch_ref's per-expert loop takes these calls
 
@@ -208,5 +264,6 @@ at::Tensor fused_experts(const at::Tensor&, const at::Tensor&, const at::Tensor&
 
 bool has_fused_experts() { return false; }
 int64_t expert_stripe() { return 0; }
+bool expert_pairs() { return false; }
 
 #endif

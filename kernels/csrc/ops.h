@@ -44,3 +44,5 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
                          int64_t onednn_from);
 bool has_fused_experts();
 int64_t expert_stripe();
+// Whether bf16 weights go in pairs of k inside a stripe ([N / S, K / 2, S, 2]: AVX512-BF16 builds).
+bool expert_pairs();
