@@ -53,6 +53,7 @@ def _cmd_gateway(args) -> int:
         cors_origins=args.cors_origin or [],
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     # On SIGTERM, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cancelled (which cancels them in Triton).
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-body-bytes", type=int, default=1 << 20)
     gateway.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
                          help="the model's tool-call format for tool_choice=auto (default: read off its chat template)")
+    gateway.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default="auto",
+                         help="split a thinking model's <think>...</think> into reasoning_content (default: read off "
+                              "its chat template; none where it does not think)")
     gateway.set_defaults(func=_cmd_gateway)
 
     ui = commands.add_parser("ui", help="Gradio chat UI (a client of the gateway)")

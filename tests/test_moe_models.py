@@ -108,9 +108,14 @@ def test_a_multi_token_prediction_layer_in_the_checkpoint_is_skipped(glm_dir, tm
     assert torch.equal(_prompt_logits(with_mtp), _prompt_logits(glm_dir))
 
 
-def test_the_engine_serves_a_moe_model_through_chunks_cache_hits_preemption_and_grammars(glm_dir, default_model_dir):
+def test_the_engine_serves_a_moe_model_through_chunks_cache_hits_preemption_and_grammars(tmp_path, default_model_dir):
     """Greedy tokens from the engine equal transformers' generate, with prompts longer than a step's budget
-    (chunked prefill), one prompt twice (a prefix-cache hit), and too few KV blocks for all at once (preemption)."""
+    (chunked prefill), one prompt twice (a prefix-cache hit), and too few KV blocks for all at once (preemption);
+    a grammar constrains its output (the default model's tokenizer, so the model's vocabulary is its)."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
+    glm_dir = make_tiny_model("glm4_moe", tmp_path / "glm", vocab_size=vocab)
     rng = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 500, (40,), generator=rng).tolist()
     prompts = [shared, shared + [7, 8], torch.randint(3, 500, (70,), generator=rng).tolist()]

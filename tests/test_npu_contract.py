@@ -455,11 +455,8 @@ def test_tensor_parallel_on_the_npu_talks_hccl_and_equals_the_cpu_path(fake_npu,
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = {}
     for device in ("npu", "cpu"):
-        llm = LLM(device=device, **args)
-        try:
+        with LLM(device=device, **args) as llm:
             outputs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        finally:
-            llm.engine.shutdown()
         if device == "npu":
             assert llm.engine.platform.device == torch.device("npu", 0)
             assert fake_npu.calls.get("hccl.allreduce", 0) > 0 and fake_npu.calls.get("hccl.allgather", 0) > 0

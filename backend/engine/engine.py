@@ -12,6 +12,7 @@ import itertools
 import logging
 import operator
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +88,11 @@ class LLMEngine:
             if workers is not None:  # no worker outlives a start that failed
                 workers.stop(graceful=False)
             raise
+        # What the engine holds outside this process's heap, released by shutdown() or, failing that, when the
+        # engine is collected or the interpreter exits. The finalizer holds those resources, never the engine
+        # itself (which it would then keep alive).
+        runner = self.runner.runner if workers is not None else self.runner
+        self._finalizer = weakref.finalize(self, _release, workers, runner)
 
     def _start(self, model_dir, tp, workers) -> None:
         """Load this rank's model, size and allocate the KV cache, build the scheduler, warm up."""
@@ -130,9 +136,13 @@ class LLMEngine:
                  config.block_size)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if there are any."""
-        if isinstance(self.runner, ParallelRunner):
-            self.runner.shutdown()
+        """Stop the tensor-parallel workers (if there are any), leave their process group, and free the KV cache.
+        The engine takes no requests after; calling it again does nothing."""
+        self._finalizer()
+
+    def _check_running(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("the engine has been shut down")
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -195,6 +205,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         """Queue a request; raises ValueError (naming the problem) for one that could never run."""
+        self._check_running()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -296,6 +307,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, update; outputs of the requests that changed."""
+        self._check_running()
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         self._fail_bad_grammars()
@@ -440,6 +452,15 @@ class LLMEngine:
             num_kv_blocks=self.kv.num_blocks,
             expert_load=self.model.expert_load(),
         )
+
+
+def _release(workers, runner: ModelRunner) -> None:
+    """An engine's shutdown (its finalizer): the workers and their process group first, then rank 0's KV cache."""
+    try:
+        if workers is not None:
+            workers.shutdown()
+    finally:
+        runner.release_kv_cache()
 
 
 def _token_ids(ids) -> list[int]:

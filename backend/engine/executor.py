@@ -11,6 +11,7 @@ out, so a dead rank fails the step instead of hanging it.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -40,21 +41,38 @@ class Workers(ABC):
 
     def __init__(self, control):
         self.control = control
+        self.failed = False  # a step failed: the ranks are out of step and cannot be told anything
+        self.stopped = False
+        self.threads_before: int | None = None  # rank 0's torch threads before it shared the CPU with the ranks
 
     def broadcast(self, message: list) -> None:
         dist.broadcast_object_list(message, src=0, group=self.control)
 
+    def shutdown(self) -> None:
+        """Stop the ranks: gracefully, unless a step failed."""
+        self.stop(graceful=not self.failed)
+
     def stop(self, graceful: bool) -> None:
         """Gracefully: told to leave their loop, killed if still running after a grace period. Otherwise
-        (the ranks are out of step, or never got in step) killed at once."""
-        if graceful:
-            try:
-                self.broadcast([STOP, ()])
-            except Exception as e:  # a rank died since the last step
-                log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
-        self._end(grace_s=10 if graceful else 0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        (the ranks are out of step, or never got in step) killed at once. Only the first call does anything.
+        Rank 0 leaves the process group too, so that another engine of this process can start its own."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            if graceful:
+                try:
+                    # (ranks that are gone already, e.g. at interpreter exit, cannot be told anything)
+                    if all(state == "running" for state in self.states()):
+                        self.broadcast([STOP, ()])
+                except Exception as e:  # a rank died since the last step
+                    log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
+            self._end(grace_s=10 if graceful else 0)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if self.threads_before is not None:
+                torch.set_num_threads(self.threads_before)
 
     @abstractmethod
     def _end(self, grace_s: float) -> None:
@@ -94,7 +112,6 @@ class ParallelRunner:
 
     def __init__(self, runner: ModelRunner, workers: Workers):
         self.runner, self.workers = runner, workers
-        self._failed = False  # a step failed: the ranks are out of step and cannot be told anything
         wait_until_all_loaded()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -114,13 +131,10 @@ class ParallelRunner:
             self.workers.broadcast([name, args])
             return getattr(self.runner, name)(*args)
         except Exception as e:
-            self._failed = True
+            self.workers.failed = True
             states = ", ".join(f"rank {rank} {state}" for rank, state in enumerate(self.workers.states(1), start=1))
             reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             raise RankFailedError(f"tensor-parallel {name} failed ({states}): {reason}") from e
-
-    def shutdown(self) -> None:
-        self.workers.stop(graceful=not self._failed)
 
 
 # What a worker may be asked to run: ParallelRunner's calls.
@@ -129,10 +143,23 @@ RUNNER_CALLS = frozenset({"allocate_kv_cache", "profile_run", "warm_up", "execut
 
 def start_workers(config: EngineConfig, device: torch.device) -> tuple[TensorParallel, Workers]:
     """Start ranks 1..N-1 with config.distributed_executor_backend, and join them as rank 0 (on `device`)."""
+    if dist.is_initialized():  # an engine nobody references, but in a reference cycle, leaves it when collected
+        gc.collect()
+    if dist.is_initialized():  # (checked before any rank starts: none would be left waiting for rank 0)
+        raise RuntimeError("this process already has a torch.distributed process group (another tensor-parallel "
+                           "engine that is still running?): shut that engine down first (LLM.shutdown())")
+    threads_before = torch.get_num_threads()
     if config.distributed_executor_backend == "ray":
         from backend.engine.ray_executor import start_ray_workers
 
-        return start_ray_workers(config, device)
+        tp, workers = start_ray_workers(config, device)
+    else:
+        tp, workers = _start_local_workers(config, device)
+    workers.threads_before = threads_before  # given back when they stop: the next engine shares all of them
+    return tp, workers
+
+
+def _start_local_workers(config: EngineConfig, device: torch.device) -> tuple[TensorParallel, Workers]:
     size = config.tensor_parallel_size
     threads = share_cpu_threads(device.type, size)
     rendezvous_dir = tempfile.mkdtemp(prefix="npu-llm-tp-")

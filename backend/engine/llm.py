@@ -21,6 +21,17 @@ class LLM:
             engine_args["model"] = model
         self.engine = LLMEngine(EngineConfig(**engine_args))
 
+    def shutdown(self) -> None:
+        """Stop the engine: its tensor-parallel workers and their process group, its KV cache. Calling it again
+        does nothing. An LLM that is garbage-collected, or still alive at interpreter exit, is shut down too."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -50,6 +50,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
 
+    def release_kv_cache(self) -> None:
+        """Free the KV tensors, and the decode graphs that read them: the engine is shut down."""
+        self.decode_graphs = None
+        self.kv_caches = []
+        self.num_blocks = 0
+
     def capture_decode_graphs(self, platform: Platform, max_num_seqs: int, max_len: int) -> None:
         """From now on, decode-only steps replay captured device graphs (see decode_graphs)."""
         self.decode_graphs = self.build_decode_graphs(platform, max_num_seqs, max_len)

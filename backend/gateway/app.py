@@ -26,6 +26,7 @@ from starlette.routing import Route
 from backend.gateway import serving_chat, serving_completions
 from backend.gateway.client import TritonClient
 from backend.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from backend.gateway.reasoning import REASONING_PARSERS, reasoning_parser
 from backend.gateway.responses import ModelCard, ModelList, error_body
 from backend.gateway.serving import ApiError, Serving, triton_errors
 from backend.gateway.tools import TOOL_CALL_PARSERS, tool_call_parser
@@ -42,6 +43,7 @@ class GatewaySettings:
     cors_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = 1 << 20
     tool_call_parser: str = "auto"  # "auto" (read off the chat template) or one of TOOL_CALL_PARSERS
+    reasoning_parser: str = "auto"  # "auto" (read off the tokenizer), "none" or one of REASONING_PARSERS
 
 
 def _is_union_branch(loc_part) -> bool:
@@ -87,8 +89,11 @@ def _load_tokenizer(name_or_path: str):
 def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
     if settings.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
         raise ValueError(f"tool_call_parser must be auto or one of {', '.join(TOOL_CALL_PARSERS)}")
+    if settings.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
+        raise ValueError(f"reasoning_parser must be auto, none or one of {', '.join(REASONING_PARSERS)}")
     tokenizer = tokenizer or _load_tokenizer(settings.tokenizer)
-    serving = Serving(tokenizer, tool_call_parser=tool_call_parser(tokenizer, settings.tool_call_parser))
+    serving = Serving(tokenizer, tool_call_parser=tool_call_parser(tokenizer, settings.tool_call_parser),
+                      reasoning_parser=reasoning_parser(tokenizer, settings.reasoning_parser))
     metrics = serving.metrics
 
     @contextlib.asynccontextmanager

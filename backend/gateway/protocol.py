@@ -19,11 +19,18 @@ UNSUPPORTED = {
     "best_of": "best_of is not supported; use n",
     "web_search_options": "web search is not supported",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (xgrammar has no such option)",
-    "reasoning_effort": "reasoning_effort is not supported: the served models do not reason before answering",
+    "reasoning_effort": "reasoning_effort is not supported; a thinking model's own switch goes in chat_template_kwargs "
+                        "(Qwen3's enable_thinking)",
     "verbosity": "verbosity is not supported",
 }
 # OpenAI's metadata fields: they change nothing about the output, so they are accepted and have no effect.
 METADATA = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+# What the server passes to apply_chat_template itself, or what would change what it returns: not the request's.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens",
+})
 
 
 class OpenAIModel(BaseModel):
@@ -236,6 +243,16 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's extra: variables for the chat template (e.g. Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value):
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"the server sets {', '.join(reserved)} itself")
+        return value
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):

@@ -45,6 +45,9 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # a thinking model's reasoning (backend/gateway/reasoning.py), under vLLM's older and newer names
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -66,7 +69,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, Any]  # only the keys that changed (role, content, tool_calls), as OpenAI sends them
+    delta: dict[str, Any]  # only the keys that changed (role, content, reasoning, tool_calls), as OpenAI sends them
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 

@@ -76,6 +76,7 @@ class Serving:
     tokenizer: object
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None  # one of REASONING_PARSERS; None: the output is all content
     triton: TritonClient | None = None  # made in the app's lifespan: grpc.aio channels belong to its event loop
 
     async def start(self, endpoint: str, started: float, prompt: str, parameters: dict, stream: bool, logprobs: bool,

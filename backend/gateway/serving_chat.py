@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: the conversation through the chat template, tools and structured outputs
-(backend/gateway/tools.py), and the answer as OpenAI's chat completion or its stream of chunks."""
+(backend/gateway/tools.py), and the answer as OpenAI's chat completion or its stream of chunks: reasoning split
+off first (backend/gateway/reasoning.py), then tool calls read from what follows it."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
@@ -21,6 +23,7 @@ from backend.gateway.responses import (
     completion_id,
     now,
 )
+from backend.gateway.reasoning import ReasoningSplit, reasoning_split
 from backend.gateway.serving import ApiError, Serving, Totals
 from backend.gateway.tools import ToolDeltas, constraint_for, render_prompt
 
@@ -35,7 +38,8 @@ def prepare(serving: Serving, req: ChatCompletionRequest) -> tuple[str, Structur
                             "structured outputs: the tool call is the output", param="tool_choice")
     messages = [m.for_template() for m in req.messages]
     try:
-        prompt = render_prompt(serving.tokenizer, messages, req.tools if mode != "none" else None)
+        prompt = render_prompt(serving.tokenizer, messages, req.tools if mode != "none" else None,
+                               req.chat_template_kwargs)
     except Exception as e:  # the template itself rejects the conversation (e.g. roles out of order)
         raise ApiError(400, f"messages: {e}", param="messages") from None
     return prompt, tool_constraint or constraint
@@ -45,23 +49,23 @@ async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, cons
     rid = completion_id("chatcmpl")
     chunk, responses = await serving.start("chat", started, prompt, req.engine_parameters(constraint), req.stream,
                                            req.logprobs, rid)
+    deltas = [_choice_deltas(serving, req, prompt, constraint) for _ in range(req.n)]
     if req.stream:
-        return EventSourceResponse(_events(serving, req, rid, chunk, responses, started))
+        return EventSourceResponse(_events(serving, req, deltas, rid, chunk, responses, started))
     whole = await serving.gather(chunk, responses, req.n)
     choices = []
     for i in range(req.n):
-        deltas = _tool_deltas(serving, req)
-        parts = deltas.feed(whole.texts[i]) + deltas.finish()
+        parts = deltas[i].feed(whole.texts[i]) + deltas[i].finish()
         choices.append(ChatChoice(index=i, message=_message(parts),
                                   logprobs=_logprobs(whole.logprobs[i], req.top_logprobs) if req.logprobs else None,
-                                  finish_reason=_finish_reason(whole.reasons[i], deltas)))
+                                  finish_reason=_finish_reason(whole.reasons[i], deltas[i].tools)))
     response = ChatCompletionResponse(id=rid, model=req.model, choices=choices,
                                       usage=Usage.of(whole.num_input_tokens, sum(whole.counts)))
     return JSONResponse(response.model_dump())
 
 
-async def _events(serving: Serving, req: ChatCompletionRequest, rid: str, chunk, responses,
-                  started: float) -> AsyncIterator[str]:
+async def _events(serving: Serving, req: ChatCompletionRequest, deltas: list[ChoiceDeltas], rid: str, chunk,
+                  responses, started: float) -> AsyncIterator[str]:
     created = now()
 
     def event(choices, usage=None) -> str:
@@ -69,7 +73,6 @@ async def _events(serving: Serving, req: ChatCompletionRequest, rid: str, chunk,
         return chunk.model_dump_json(exclude=None if usage else {"usage"})  # usage only in its own last chunk
 
     yield event([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(req.n)])
-    deltas = [_tool_deltas(serving, req) for _ in range(req.n)]
     totals = Totals()
     async for c in serving.relay(chunk, responses, "chat", started, totals):
         if isinstance(c, str):  # an error after the stream started
@@ -84,16 +87,41 @@ async def _events(serving: Serving, req: ChatCompletionRequest, rid: str, chunk,
             for k, part in enumerate(parts):  # one event per delta: a choice appears once per chunk
                 last = k == len(parts) - 1
                 yield event([ChatChunkChoice(index=i, delta=part, logprobs=lp if k == 0 else None,
-                                             finish_reason=_finish_reason(reason, deltas[i]) if last
+                                             finish_reason=_finish_reason(reason, deltas[i].tools) if last
                                              else None)])
     if req.include_usage:
         yield event([], Usage.of(totals.prompt, totals.completion))
     yield "[DONE]"
 
 
+@dataclass
+class ChoiceDeltas:
+    """One choice's text as chat deltas: the reasoning split off first (when the server has a reasoning parser),
+    what follows it read for tool calls (so a call is never looked for inside the thinking)."""
+
+    tools: ToolDeltas
+    reasoning: ReasoningSplit | None = None
+
+    def feed(self, text: str) -> list[dict]:
+        if self.reasoning is None:
+            return self.tools.feed(text)
+        return self._answer_to_tools(self.reasoning.feed(text))
+
+    def finish(self) -> list[dict]:
+        held = self._answer_to_tools(self.reasoning.finish()) if self.reasoning is not None else []
+        return held + self.tools.finish()
+
+    def _answer_to_tools(self, parts: list[dict]) -> list[dict]:
+        out = []
+        for part in parts:
+            out += self.tools.feed(part["content"]) if "content" in part else [part]
+        return out
+
+
 def _message(parts: list[dict]) -> AssistantMessage:
     """The deltas of a whole answer, put together."""
     content = "".join(p.get("content", "") for p in parts)
+    reasoning = "".join(p.get("reasoning", "") for p in parts) or None
     calls: dict[int, dict] = {}
     for part in parts:
         for delta in part.get("tool_calls", []):
@@ -103,12 +131,17 @@ def _message(parts: list[dict]) -> AssistantMessage:
             call["arguments"] += delta["function"].get("arguments", "")
     tool_calls = [ToolCallOut(id=c["id"], function=FunctionCallOut(name=c["name"], arguments=c["arguments"]))
                   for _, c in sorted(calls.items())]
-    return AssistantMessage(content=content or (None if tool_calls else ""), tool_calls=tool_calls or None)
+    return AssistantMessage(content=content or (None if tool_calls else ""), reasoning_content=reasoning,
+                            reasoning=reasoning, tool_calls=tool_calls or None)
 
 
-def _tool_deltas(serving: Serving, req: ChatCompletionRequest) -> ToolDeltas:
-    return ToolDeltas(req.tool_mode, serving.tool_call_parser, {t.function.name for t in req.tools or []},
-                      req.parallel_tool_calls)
+def _choice_deltas(serving: Serving, req: ChatCompletionRequest, prompt: str,
+                   constraint: StructuredOutputsParams | None) -> ChoiceDeltas:
+    tools = ToolDeltas(req.tool_mode, serving.tool_call_parser, {t.function.name for t in req.tools or []},
+                       req.parallel_tool_calls)
+    if serving.reasoning_parser is None:
+        return ChoiceDeltas(tools)
+    return ChoiceDeltas(tools, reasoning_split(serving.reasoning_parser, prompt, constrained=constraint is not None))
 
 
 def _finish_reason(reason: str | None, deltas: ToolDeltas) -> str | None:

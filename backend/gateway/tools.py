@@ -48,14 +48,17 @@ def tool_call_parser(tokenizer, setting: str = "auto") -> str:
     return "hermes"
 
 
-def render_prompt(tokenizer, messages: list[dict], tools: list[Tool] | None) -> str:
-    """The conversation through the model's chat template (tools= as transformers passes them to it)."""
+def render_prompt(tokenizer, messages: list[dict], tools: list[Tool] | None,
+                  template_kwargs: dict | None = None) -> str:
+    """The conversation through the model's chat template (tools= as transformers passes them to it), with the
+    request's chat_template_kwargs as the template's variables."""
     template = getattr(tokenizer, "chat_template", None) or ""
     specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     if "tool" not in template:  # the template would drop tools, calls and results: write them the Hermes way
         messages = _hermes_messages(messages, specs)
         specs = None
-    return tokenizer.apply_chat_template(messages, tools=specs, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, tools=specs, add_generation_prompt=True, tokenize=False,
+                                         **(template_kwargs or {}))
 
 
 def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
