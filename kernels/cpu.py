@@ -207,8 +207,9 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 # Experts with this many tokens or more run their matmuls through oneDNN (bf16 on AMX / AVX512-BF16, fp32 on any
-# x86), fewer through csrc/fused_moe_cpu.cpp's own FMA tiles (`npu-llm bench moe` measures both sides).
-ONEDNN_EXPERT_TOKENS = 48
+# x86), fewer through csrc/fused_moe_cpu.cpp's own tiles. oneDNN wants the weights whole, so each such call first
+# puts one expert's stripes back together: on Sapphire Rapids (W3's layer, bf16) that pays from about 192 tokens.
+ONEDNN_EXPERT_TOKENS = 192
 
 
 def pack_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
