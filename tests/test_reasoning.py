@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
-import sys
 
 import openai
 import pytest
@@ -262,26 +260,15 @@ def page(triton_server, deepseek_gateway, tmp_path_factory):
     """The chat UI, a client of the deepseek_r1 gateway, in headless Chromium."""
     from playwright.sync_api import sync_playwright
 
-    from backend.serve import wait_http
-    from tests.test_ui import CHROMIUM
+    from tests.test_ui import CHROMIUM, running_ui
 
-    port = free_port()
-    with open(tmp_path_factory.mktemp("ui-reasoning") / "ui.log", "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "ui", "--gateway-url", deepseek_gateway, "--metrics-url",
-             triton_server.metrics_url, "--api-key", GATEWAY_API_KEY, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/", process, "the UI", timeout=120)
+    with running_ui(deepseek_gateway, triton_server.metrics_url, tmp_path_factory.mktemp("ui-reasoning")) as url:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"http://127.0.0.1:{port}", wait_until="networkidle")
+            page.goto(url, wait_until="networkidle")
             yield page
             browser.close()
-    finally:
-        process.terminate()
-        process.wait(15)
 
 
 def _words(text: str) -> str:

@@ -1,6 +1,7 @@
 """The chat UI (`npu-llm ui`) on the session's Triton and gateway, driven in a real headless Chromium."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -16,16 +17,17 @@ CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
-@pytest.fixture(scope="module")
-def ui(triton_server, gateway, tmp_path_factory):
-    """`npu-llm ui` as a real process: a client of the session's gateway, showing its Triton's metrics."""
+@contextlib.contextmanager
+def running_ui(gateway_url: str, metrics_url: str, log_dir):
+    """`npu-llm ui` as a real process, a client of `gateway_url` showing the Triton metrics at `metrics_url`;
+    yields its URL."""
     from backend.serve import wait_http
 
     port = free_port()
-    with open(tmp_path_factory.mktemp("ui") / "ui.log", "w") as log:
+    with open(log_dir / "ui.log", "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "ui", "--gateway-url", gateway, "--metrics-url",
-             triton_server.metrics_url, "--api-key", GATEWAY_API_KEY, "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "backend.cli", "ui", "--gateway-url", gateway_url, "--metrics-url", metrics_url,
+             "--api-key", GATEWAY_API_KEY, "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_http(f"http://127.0.0.1:{port}/", process, "the UI", timeout=120)
@@ -33,6 +35,13 @@ def ui(triton_server, gateway, tmp_path_factory):
     finally:
         process.terminate()
         process.wait(15)
+
+
+@pytest.fixture(scope="module")
+def ui(triton_server, gateway, tmp_path_factory):
+    """The UI: a client of the session's gateway, showing its Triton's metrics."""
+    with running_ui(gateway, triton_server.metrics_url, tmp_path_factory.mktemp("ui")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
