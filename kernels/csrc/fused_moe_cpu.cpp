@@ -52,6 +52,7 @@ inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 constexpr int64_t kTokens = 4;   // tokens per register tile
 constexpr int64_t kVectors = 4;  // output vectors per register tile: 4 x 4 accumulators
 constexpr int64_t kStripe = kVectors * kWidth;  // output columns per task
+constexpr int64_t kOneDnnRows = 64;  // oneDNN's matmuls take rows in multiples of this
 
 // y[m][n0 .. n0 + kStripe) = x[m] w[:, n0 .. n0 + kStripe) for M tokens: x [M, k] fp32 (row stride k), the
 // stripe's weights `w` [k, kStripe], contiguous.
@@ -168,7 +169,12 @@ void experts_matmul(const at::Tensor& x, const at::Tensor& w, const std::vector<
     // [n / S, k, S] (or [n / S, k / 2, S, 2] in pairs) back to [k, n]
     const at::Tensor whole = pairs ? w[e].view({n / kStripe, k / 2, kStripe, 2}).permute({1, 3, 0, 2}).reshape({k, n})
                                    : w[e].permute({1, 0, 2}).reshape({k, n});
-    y.narrow(0, first, count).copy_(at::matmul(x.narrow(0, first, count), whole));
+    // oneDNN builds a kernel for every new shape, which costs more than the matmul: the rows are padded to a
+    // multiple of kOneDnnRows, so that a few shapes serve every step (its primitive cache keeps them).
+    const int64_t padded = (count + kOneDnnRows - 1) / kOneDnnRows * kOneDnnRows;
+    at::Tensor rows = at::zeros({padded, k}, x.options());
+    rows.narrow(0, 0, count).copy_(x.narrow(0, first, count));
+    y.narrow(0, first, count).copy_(at::matmul(rows, whole).narrow(0, 0, count));
   }
 }
 
