@@ -129,7 +129,8 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"], decisive_routing: bool = True):
+def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"], decisive_routing: bool = True,
+                    **config_overrides):
     """A Hugging Face folder with random weights (biases made non-zero so they matter); a real tokenizer's
     `vocab_size` lets it take text. MoE models get experts that matter and, with decisive_routing, router logits
     far apart, so that a wrong choice of experts shows; without it, bf16 and fp32 seldom choose differently."""
@@ -138,6 +139,8 @@ def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"], decis
     torch.manual_seed(0)
     config = _tiny_config(arch)
     config.vocab_size = vocab_size
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -71,8 +71,11 @@ def _ask(page, text: str) -> None:
 def test_reply_streams_with_stats_and_panel(page, triton_server):
     _ask(page, "Write three sentences about the sea.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('TTFT')", timeout=60000)
+    # (the stats line and the chatbot are two outputs of one update; the chatbot's markdown may render after)
+    page.wait_for_function("""(() => { const bots = document.querySelectorAll('#chatbot .message.bot');
+                                      return bots.length && bots[bots.length - 1].innerText.trim().length > 0; })()""",
+                           timeout=30000)
     first = len(_bot_text(page))
-    assert first > 0
     # the reply grows while the stats line still says it is streaming
     page.wait_for_function(
         f"""(() => {{ const bots = document.querySelectorAll('#chatbot .message.bot');

@@ -278,7 +278,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
         # Label the reply once the cancellation went through (queued behind it, not racing it).
         stop.click(None, cancels=events, queue=False).then(
             lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats).then(
-            settle_thoughts, chatbot, chatbot)
+            settle_thoughts, chatbot, chatbot, show_progress="hidden")  # (no loading overlay on the stopped reply)
         clear.click(lambda: ([], ""), None, [chatbot, stats], cancels=events)
         timer = gr.Timer(REFRESH_S)
         timer.tick(backend.server_panel, None, [panel, plot])
