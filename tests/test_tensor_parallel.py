@@ -80,18 +80,24 @@ def _assert_same(alone, sharded) -> None:
 
 def test_ray_actors_equal_local_ranks_and_leave_no_process(tmp_path, default_model_dir):
     """distributed_executor_backend="ray" on a local Ray instance (the issue's ray.init(num_cpus=2)): rank 1 is
-    a Ray actor, and the outputs are those of one process; shutting down leaves no Ray process behind."""
+    a Ray actor, and the outputs are those of one process, for Llama and for GLM-4.5 with expert parallel;
+    shutting down leaves no Ray process behind."""
     import ray
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
+    moe_dir = make_tiny_model("glm4_moe", tmp_path / "glm4_moe")
     alone, _ = _generate(model_dir, default_model_dir, 1)
+    moe_alone, _ = _generate(moe_dir, default_model_dir, 1)
     before = set(psutil.pids())
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:  # (the tokenizer by the default model's name, as --tokenizer takes it)
         sharded, _ = _generate(model_dir, DEFAULT_MODEL, 2, distributed_executor_backend="ray")
+        moe_spread, _ = _generate(moe_dir, DEFAULT_MODEL, 2, distributed_executor_backend="ray",
+                                  enable_expert_parallel=True)
     finally:
         ray.shutdown()
     _assert_same(alone, sharded)
+    _assert_same(moe_alone, moe_spread)
     deadline = time.monotonic() + 15
     while (left := [p for p in _processes(set(psutil.pids()) - before) if "ray" in p]) and time.monotonic() < deadline:
         time.sleep(0.2)
