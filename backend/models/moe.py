@@ -37,14 +37,14 @@ PART_OF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down
 
 
 class Router(nn.Module):
-    """The gate: one logit per expert, computed in fp32 whatever the model's dtype (as GLM-4.5's reference
-    does; bf16 logits would round close experts' scores together), with its correction bias where it has one."""
+    """The gate: one logit per expert, computed in fp32 whatever the model's dtype (the loader keeps its weights
+    in fp32, as GLM-4.5's reference does; bf16 logits would round close experts' scores together), with its
+    correction bias where it has one."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.correction_bias else None
-        self.keep_fp32 = True  # read by the loader, which casts everything else to the model's dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
