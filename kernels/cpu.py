@@ -206,10 +206,15 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     return q, k
 
 
-# Experts with this many tokens or more run their matmuls through oneDNN (bf16 on AMX / AVX512-BF16, fp32 on any
-# x86), fewer through csrc/fused_moe_cpu.cpp's own tiles. oneDNN wants the weights whole, so each such call first
-# puts one expert's stripes back together: on Sapphire Rapids (W3's layer, bf16) that pays from about 192 tokens.
+# Experts with this many tokens or more run their matmuls through oneDNN (bf16 on AVX512-BF16, fp32 on any x86),
+# fewer through csrc/fused_moe_cpu.cpp's own tiles. oneDNN's matmul wants the weights whole, so each such call first
+# puts one expert's stripes back together: on Sapphire Rapids (W3's layer, bf16) that paid from about 192 tokens.
 ONEDNN_EXPERT_TOKENS = 192
+# On AMX, bf16 experts with this many tokens or more run on AMX tiles instead, through oneDNN's brgemm microkernel on
+# the packed weights as they lie (no copy): `npu-llm bench moe` on W3's layer, against the tiles and oneDNN's matmul,
+# 2.5x faster at 512 tokens, 1.8x at 2048. At 2 tokens per expert the register tiles are faster, at 8 level. Without
+# AMX (AVX512-BF16 alone) brgemm measured level with the tiles, so that level keeps them.
+BRGEMM_EXPERT_TOKENS = 5
 
 
 def pack_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +261,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             return torch_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert)
         if ext is None:  # (NPU_LLM_CPU_KERNELS=0 after packing)
             return torch_ref.fused_experts(x, _whole(w13), _whole(w2), topk_weights, topk_ids, first_expert)
-        onednn_from = ONEDNN_EXPERT_TOKENS if x.dtype == torch.float32 or cpu_features().native_bf16 else 0
-        return ext.fused_experts(x.contiguous(), w13, w2, topk_weights, topk_ids, first_expert, onednn_from)
+        amx = w13.stripes == "pairs" and cpu_features().level == "amx"
+        onednn_from = ONEDNN_EXPERT_TOKENS if x.dtype == torch.float32 or (cpu_features().native_bf16 and not amx) else 0
+        return ext.fused_experts(x.contiguous(), w13, w2, topk_weights, topk_ids, first_expert, onednn_from,
+                                 BRGEMM_EXPERT_TOKENS if amx else 0)
 
 
 def describe() -> str:

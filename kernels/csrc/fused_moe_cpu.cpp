@@ -7,11 +7,13 @@
 // output columns) tasks of one parallel region. The weights are stored in stripes, [E, N / S, K, S]
 // (pack_expert_weights in kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and
 // computes outer products: each weight vector read once per four tokens, each token's value broadcast, no
-// horizontal sums. An expert with many tokens (prefill) gets oneDNN's matmul instead, where the bf16 hardware
-// (AMX, AVX512-BF16) beats FMAs. Rounding follows torch_ref: matmul outputs and
-// the activation are rounded to the dtype; the per-token sum is in fp32.
+// horizontal sums. An expert with many tokens (prefill) runs on AMX tiles where the CPU has them, through oneDNN's
+// brgemm microkernel on the same packed stripes; elsewhere it gets oneDNN's matmul, where AVX512-BF16 (or, in fp32,
+// its blocking) beats these tiles. Rounding follows torch_ref: matmul outputs and the activation are rounded to the
+// dtype; the per-token sum is in fp32.
 #include "ops.h"
 
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/zeros.h>
@@ -105,6 +107,24 @@ inline void tile_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, 
   }
 }
 
+// The same stripe for an expert with many tokens, as oneDNN's batch-reduce GEMM microkernel (torch's cpublas::brgemm:
+// AMX tiles where the CPU has them, else AVX512-BF16). The pairs layout is its packed ("VNNI") B, so the weights
+// are used where they lie: rows go in blocks of kBrgemmRows, each [rows, kStripe] block of fp32 sums rounded to bf16.
+constexpr int64_t kBrgemmRows = 32;
+
+void stripe_brgemm(const at::BFloat16* x, int64_t m, const at::BFloat16* w, int64_t k, int64_t n, int64_t n0,
+                   at::BFloat16* y) {
+  alignas(64) float sums[kBrgemmRows * kStripe];
+  for (int64_t t = 0; t < m; t += kBrgemmRows) {
+    const int64_t rows = std::min(kBrgemmRows, m - t);
+    at::native::cpublas::brgemm(rows, kStripe, k, k, kStripe, kStripe, false, x + t * k, w, sums, true);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t v = 0; v < kVectors; ++v)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (t + r) * n + n0 + v * kWidth),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + r * kStripe + v * kWidth)));
+  }
+}
+
 void stripe_pairs(const at::BFloat16* x, int64_t m, const at::BFloat16* w, int64_t k, int64_t n, int64_t n0,
                   at::BFloat16* y) {
   for (int64_t t = 0; t < m; t += kTokens) {
@@ -134,34 +154,51 @@ void stripe(const float* x, int64_t m, const T* w, int64_t k, int64_t n, int64_t
 }
 
 // y [pairs, n] = x [pairs, k] w_e [k, n] for each expert's rows of x (w: [E, n / kStripe, k, kStripe]): the experts
-// with fewer than `big` pairs in one parallel region of (expert, stripe) tasks, then the others one oneDNN matmul
-// each (parallel inside; their [k, n] weights are put back together first, a small copy beside the matmul).
+// with fewer than `big` pairs in one parallel region of (expert, stripe, up to kTaskRows rows) tasks, then the others
+// one oneDNN matmul each (parallel inside; their [k, n] weights are put back together first, a small copy beside the
+// matmul). In pairs, experts with at least `brgemm_from` rows (0: none) take stripe_brgemm rather than the tiles.
+constexpr int64_t kTaskRows = 128;  // a task's rows: a busy expert's stripe is split, so threads end together
+
 template <typename T>
 void experts_matmul(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& offsets, int64_t big,
-                    at::Tensor& y) {
+                    int64_t brgemm_from, at::Tensor& y) {
   const int64_t experts = w.size(0), k = w.size(2), n = w.size(1) * kStripe;
   constexpr bool pairs = kPairs && std::is_same_v<T, at::BFloat16>;
   const at::Tensor xf = pairs ? x : x.to(at::kFloat);  // (FMA tiles broadcast from fp32: one instruction)
   const T* ws = w.data_ptr<T>();
   T* ys = y.data_ptr<T>();
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (expert, first column)
+  struct Task { int64_t expert, column, first, rows; };
+  std::vector<Task> tasks;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
     if (count > 0 && count < big)
-      for (int64_t c = 0; c < n; c += kStripe) tasks.emplace_back(e, c);
+      for (int64_t c = 0; c < n; c += kStripe)
+        for (int64_t r = 0; r < count; r += kTaskRows)
+          tasks.push_back({e, c, offsets[e] + r, std::min(kTaskRows, count - r)});
   }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    [[maybe_unused]] bool used_brgemm = false;
     for (int64_t i = begin; i < end; ++i) {
-      const auto [e, c] = tasks[i];
-      const int64_t first = offsets[e], count = offsets[e + 1] - first;
+      const auto [e, c, first, count] = tasks[i];
+      const T* stripe_w = ws + e * k * n + c * k;
 #if defined(__AVX512BF16__)
       if constexpr (pairs) {
-        stripe_pairs(xf.data_ptr<at::BFloat16>() + first * k, count, ws + e * k * n + c * k, k, n, c, ys + first * n);
+        const at::BFloat16* rows = xf.data_ptr<at::BFloat16>() + first * k;
+        const int64_t expert_rows = offsets[e + 1] - offsets[e];
+        if (brgemm_from > 0 && expert_rows >= brgemm_from) {
+          stripe_brgemm(rows, count, stripe_w, k, n, c, ys + first * n);
+          used_brgemm = true;
+        } else {
+          stripe_pairs(rows, count, stripe_w, k, n, c, ys + first * n);
+        }
         continue;
       }
 #endif
-      stripe(xf.data_ptr<float>() + first * k, count, ws + e * k * n + c * k, k, n, c, ys + first * n);
+      stripe(xf.data_ptr<float>() + first * k, count, stripe_w, k, n, c, ys + first * n);
     }
+#if defined(__AVX512BF16__)
+    if (used_brgemm) at::native::cpublas::brgemm_release(true);  // (hands the AMX tile state back)
+#endif
   });
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t first = offsets[e], count = offsets[e + 1] - first;
@@ -204,7 +241,7 @@ at::Tensor combine(const at::Tensor& down, const at::Tensor& weights, const std:
 
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t first_expert,
-                         int64_t onednn_from) {
+                         int64_t onednn_from, int64_t brgemm_from) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w13.is_contiguous() &&
                   w2.is_contiguous(),
               "contiguous x [T, H] and w13, w2 [E, N / S, K, S] (expert_stripe()'s S) expected");
@@ -248,12 +285,12 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
   at::Tensor gate_up = at::empty({held, 2 * inter}, x.options());
   at::Tensor down = at::empty({held, hidden}, x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    experts_matmul<at::BFloat16>(gathered, w13, offsets, big, gate_up);
-    experts_matmul<at::BFloat16>(silu_and_mul(gate_up), w2, offsets, big, down);
+    experts_matmul<at::BFloat16>(gathered, w13, offsets, big, brgemm_from, gate_up);
+    experts_matmul<at::BFloat16>(silu_and_mul(gate_up), w2, offsets, big, brgemm_from, down);
     return combine<at::BFloat16>(down, weights, slot, tokens, top_k).to(at::kBFloat16);
   }
-  experts_matmul<float>(gathered, w13, offsets, big, gate_up);
-  experts_matmul<float>(silu_and_mul(gate_up), w2, offsets, big, down);
+  experts_matmul<float>(gathered, w13, offsets, big, 0, gate_up);
+  experts_matmul<float>(silu_and_mul(gate_up), w2, offsets, big, 0, down);
   return combine<float>(down, weights, slot, tokens, top_k);
 }
 
@@ -264,7 +301,7 @@ bool expert_pairs() { return kPairs; }
 #else  // neither AVX-512 nor AVX2: torch_ref's per-expert loop takes these calls
 
 at::Tensor fused_experts(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         int64_t, int64_t) {
+                         int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "fused_experts needs AVX2 and FMA, or AVX-512");
 }
 

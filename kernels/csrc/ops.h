@@ -38,10 +38,11 @@ at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, co
 bool has_linear_bf16_weights();
 // The experts of a MoE layer (kernels/torch_ref.py fused_experts), x and weights fp32 or bf16, the weights in stripes
 // of expert_stripe() columns ([E, N / S, K, S]); experts with at least `onednn_from` tokens (0: none) run their
-// matmuls through oneDNN. has_fused_experts: whether this build has it.
+// matmuls through oneDNN's matmul, bf16 ones with at least `brgemm_from` (0: none; pairs builds) through its brgemm
+// microkernel on the packed weights. has_fused_experts: whether this build has it.
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t first_expert,
-                         int64_t onednn_from);
+                         int64_t onednn_from, int64_t brgemm_from);
 bool has_fused_experts();
 int64_t expert_stripe();
 // Whether bf16 weights go in pairs of k inside a stripe ([N / S, K / 2, S, 2]: AVX512-BF16 builds).
