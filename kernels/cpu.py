@@ -211,9 +211,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 # puts one expert's stripes back together: on Sapphire Rapids (W3's layer, bf16) that paid from about 192 tokens.
 ONEDNN_EXPERT_TOKENS = 192
 # On AMX, bf16 experts with this many tokens or more run on AMX tiles instead, through oneDNN's brgemm microkernel on
-# the packed weights as they lie (no copy): `npu-llm bench moe` on W3's layer, against the tiles and oneDNN's matmul,
-# 2.5x faster at 512 tokens, 1.8x at 2048. At 2 tokens per expert the register tiles are faster, at 8 level. Without
-# AMX (AVX512-BF16 alone) brgemm measured level with the tiles, so that level keeps them.
+# the packed weights as they lie (no copy). On W3's layer (64 experts, top-8; `npu-llm bench moe`), against the
+# tiles and oneDNN's matmul: 2.3x faster at 512 tokens, 1.8-2.5x at 2048, 1.4-3x at 64 and 128 (8 and 16 per expert).
+# Nearer 2 per expert this machine's noise hid any difference. Without AMX (AVX512-BF16 alone, oneDNN held there by
+# ONEDNN_MAX_CPU_ISA) brgemm measured level with the tiles, so that level keeps them.
 BRGEMM_EXPERT_TOKENS = 5
 
 
