@@ -108,7 +108,7 @@ class _Side:
         return list(range(self.blocks_per_seq))
 
     def _step(self, chunk: SequenceChunk) -> torch.Tensor:
-        return self.runner.execute([chunk])[0].float().cpu()
+        return self.runner.execute([chunk]).logits[0].float().cpu()
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

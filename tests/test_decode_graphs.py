@@ -51,10 +51,10 @@ def test_capture_sizes_follow_vllm():
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Prefill every prompt in one step, then decode them together `steps` times."""
     tables = [list(range(i * MAX_LEN // BLOCK_SIZE, (i + 1) * MAX_LEN // BLOCK_SIZE)) for i in range(len(prompts))]
-    logits = runner.execute([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)])
+    logits = runner.execute([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)]).logits
     tokens = [p + [int(row.argmax())] for p, row in zip(prompts, logits)]
     for _ in range(steps):
-        logits = runner.execute([SequenceChunk(t[-1:], len(t) - 1, b) for t, b in zip(tokens, tables)])
+        logits = runner.execute([SequenceChunk(t[-1:], len(t) - 1, b) for t, b in zip(tokens, tables)]).logits
         for t, row in zip(tokens, logits):
             t.append(int(row.argmax()))
     return [t[len(p) :] for t, p in zip(tokens, prompts)]

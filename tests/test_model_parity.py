@@ -20,10 +20,10 @@ def _greedy_through_paged_cache(model, prompt: list[int], block_size: int, steps
     num_blocks = 64
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device="cpu")
     blocks = random.Random(0).sample(range(num_blocks), cdiv(len(prompt) + steps, block_size))
-    logits = [runner.execute([SequenceChunk(prompt, 0, blocks)])[0]]
+    logits = [runner.execute([SequenceChunk(prompt, 0, blocks)]).logits[0]]
     tokens = prompt + [int(logits[-1].argmax())]
     for _ in range(steps - 1):
-        logits.append(runner.execute([SequenceChunk(tokens[-1:], len(tokens) - 1, blocks)])[0])
+        logits.append(runner.execute([SequenceChunk(tokens[-1:], len(tokens) - 1, blocks)]).logits[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens[len(prompt) :], torch.stack(logits)
 

@@ -33,13 +33,15 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(model_dir, tokenizer_dir, tensor_parallel_size: int, **engine_args):
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    # prompt logprobs for the first and last prompts (the second, which hits the cache, without)
+    params = [SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5,
+                             prompt_logprobs=2 if i in (0, 3) else None) for i in range(len(_prompts()))]
     with LLM(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", num_kv_blocks=64, block_size=16,
              max_num_batched_tokens=32, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size,
              **engine_args) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
         stats = llm.engine.stats()
-    return [o.outputs[0] for o in outputs], stats
+    return outputs, stats
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -68,12 +70,16 @@ def test_moe_experts_sharded_or_spread_over_two_ranks_equal_one(arch, tmp_path, 
     assert sum(spread_stats.expert_load) == pairs and len(spread_stats.expert_load) == 2
 
 def _assert_same(alone, sharded) -> None:
-    """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4."""
+    """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4; the same prompt logprobs (their
+    top 2) within 1e-4."""
     worst = 0.0
-    for a, b in zip(alone, sharded):
+    for whole_a, whole_b in zip(alone, sharded):
+        a, b = whole_a.outputs[0], whole_b.outputs[0]
         assert a.token_ids == b.token_ids and len(a.token_ids) == STEPS
-        for step_a, step_b in zip(a.logprobs, b.logprobs):
-            assert step_a.keys() == step_b.keys()  # the same five most likely tokens
+        prompt_a, prompt_b = (whole_a.prompt_logprobs or [None])[1:], (whole_b.prompt_logprobs or [None])[1:]
+        assert len(prompt_a) == (len(whole_a.prompt_token_ids) - 1 if whole_a.prompt_logprobs else 0)
+        for step_a, step_b in zip(a.logprobs + prompt_a, b.logprobs + prompt_b):
+            assert step_a.keys() == step_b.keys()  # the same most likely tokens
             worst = max(worst, *(abs(step_a[t].logprob - step_b[t].logprob) for t in step_a))
     assert worst < 1e-4, worst
 

@@ -28,7 +28,7 @@ from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.outputs import RequestOutput
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
-from backend.engine.runner import ModelRunner, SequenceChunk
+from backend.engine.runner import ModelRunner, PromptScoring, SequenceChunk
 from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.structured_outputs import StructuredOutputs
@@ -338,11 +338,12 @@ class LLMEngine:
                 s.request.num_computed_tokens,
                 self.kv.block_ids(s.request),
                 s.wants_logits,
+                self._prompt_scoring(s),
             )
             for s in scheduled
         ]
         try:
-            logits = self.runner.execute(chunks)
+            step = self.runner.execute(chunks)
         except RankFailedError:
             raise  # without every rank no step can run: the engine stops
         except Exception as e:
@@ -354,7 +355,25 @@ class LLMEngine:
                 raise RuntimeError(f"{self._failed_steps} forward passes in a row failed; last: {e!r}") from e
             return None
         self._failed_steps = 0
-        return logits
+        for s, chunk, scored in zip(scheduled, chunks, step.prompt_logprobs):
+            if scored is not None:
+                self.outputs.states[s.request.request_id].add_prompt_logprobs(chunk.prompt_scoring.targets, scored)
+        return step.logits
+
+    def _prompt_scoring(self, s: ScheduledRequest) -> PromptScoring | None:
+        """The prompt tokens this chunk scores: those its positions predict that have no logprob yet (so that a
+        recomputation after preemption does not score them twice)."""
+        request = s.request
+        if request.params.prompt_logprobs is None:
+            return None
+        scored = len(self.outputs.states[request.request_id].prompt_logprobs)  # the next prompt position to score
+        # position p predicts token p + 1: this chunk's positions that predict an unscored prompt token
+        first = max(request.num_computed_tokens, scored - 1)
+        last = min(request.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens - 1) - 1
+        if first > last:
+            return None
+        return PromptScoring(first - request.num_computed_tokens, request.token_ids[first + 1 : last + 2],
+                             request.params.prompt_logprobs)
 
     def _sample(self, scheduled: list[ScheduledRequest], logits) -> dict[str, SampledToken]:
         """Sequence request id -> its sampled token. If the batch fails, each row is sampled alone, and only the

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from backend.config import EngineConfig
 from backend.distributed import TensorParallel, init_tensor_parallel, wait_until_all_loaded
-from backend.engine.runner import ModelRunner
+from backend.engine.runner import ModelRunner, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ParallelRunner:
     def warm_up(self, num_tokens: int) -> torch.Tensor:
         return self._on_every_rank("warm_up", num_tokens)
 
-    def execute(self, chunks) -> torch.Tensor:
+    def execute(self, chunks) -> StepOutput:
         return self._on_every_rank("execute", chunks)
 
     def _on_every_rank(self, name: str, *args):

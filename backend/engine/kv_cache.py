@@ -75,9 +75,12 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids holding the longest cached run of the request's full blocks.
 
-        The last token is never taken from the cache: it must run to produce logits.
+        The last token is never taken from the cache: it must run to produce logits. Nor is any token of a request
+        that asks for prompt logprobs and has not yet been through its prompt: a cached block has no logits.
         """
         if not self.enable_prefix_caching:
+            return []
+        if request.params.prompt_logprobs is not None and not request.output_token_ids:
             return []
         found = []
         for i, block_hash in enumerate(self.block_hashes(request, (len(request.token_ids) - 1) // self.block_size)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from backend.engine.request import Request
+from backend.engine.runner import PromptLogprobs
 from backend.engine.sampler import SampledToken
 from kernels.timing import scope
 
@@ -25,6 +26,9 @@ class RequestState:
         self.parent = parent
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.params)
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
+        # the prompt's, as they are computed (the first token has none)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if request.params.prompt_logprobs is not None else None)
         self.token_text = token_text
         self.cumulative_logprob = 0.0
 
@@ -41,6 +45,18 @@ class RequestState:
             return None  # the stop token's text is not part of the output
         with scope("detokenize"):  # a sequence a stop token ended is not also ended by a stop string
             return self.detokenizer.add_token(sampled.token_id, check_stop=request.can_stop and not stopped_by_token)
+
+    def add_prompt_logprobs(self, targets: list[int], scored: PromptLogprobs) -> None:
+        """The next prompt tokens' logprobs, from one chunk."""
+        for i, token_id in enumerate(targets):
+            entry = {token_id: Logprob(scored.logprobs[i], scored.ranks[i], self.token_text(token_id))}
+            for rank, (alternative, logprob) in enumerate(zip(scored.top_ids[i], scored.top_logprobs[i]), start=1):
+                entry.setdefault(alternative, Logprob(logprob, rank, self.token_text(alternative)))
+            self.prompt_logprobs.append(entry)
+
+    @property
+    def prompt_scored(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == self.request.num_prompt_tokens
 
     def completion(self) -> CompletionOutput:
         request = self.request
@@ -84,7 +100,10 @@ class ParentRequest:
         )
         with scope("detokenize"):  # the output takes each sequence's new text from its detokenizer
             outputs = [s.completion() for s in self.states]
-        return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, self.finished, metrics)
+        scorer = self.states[0]  # (the sequence that scores the prompt, if asked)
+        prompt_logprobs = list(scorer.prompt_logprobs) if scorer.prompt_scored else None
+        return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, self.finished, metrics,
+                             prompt_logprobs)
 
 
 class OutputProcessor:

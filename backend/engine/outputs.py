@@ -48,3 +48,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
+    # with SamplingParams.prompt_logprobs, once the prompt has run: per prompt token (None for the first) its
+    # token id -> Logprob, the token itself first, then the top alternatives
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -17,6 +17,32 @@ from kernels.timing import scope
 WARM_UP_TOKENS = 256
 
 
+# Prompt logprobs are computed this many rows at a time: the [rows, vocab] logits of one block at most, never a
+# chunk's or a prompt's.
+PROMPT_LOGPROBS_ROWS = 128
+
+
+@dataclass
+class PromptScoring:
+    """The prompt tokens a prefill chunk scores: row `first_row` of the chunk (and the rows after it) predicts
+    targets[0] (and those after it), with the `top` most likely alternatives at each."""
+
+    first_row: int
+    targets: list[int]
+    top: int
+
+
+@dataclass
+class PromptLogprobs:
+    """One chunk's scores, on the CPU: per target, its logprob and rank (1 = the most likely token), and the
+    top-k alternatives ([n, top] ids and logprobs)."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 @dataclass
 class SequenceChunk:
     """One sequence's share of a step: new tokens to run after `num_computed` cached ones."""
@@ -25,6 +51,13 @@ class SequenceChunk:
     num_computed: int
     block_ids: list[int]  # the sequence's block table; covers num_computed + len(token_ids) tokens
     wants_logits: bool = True  # False for a prefill chunk that does not reach the end of the prompt
+    prompt_scoring: PromptScoring | None = None  # the prompt logprobs it computes, if asked for
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # fp32 [n, vocab]: the next token's, for the chunks that want logits, in their order
+    prompt_logprobs: list[PromptLogprobs | None]  # per chunk, in their order
 
 
 class ModelRunner:
@@ -96,11 +129,11 @@ class ModelRunner:
         num_tokens = max(1, min(num_tokens, WARM_UP_TOKENS))
         table = [self.scratch_block] * (num_tokens // self.block_size + 1)
         self.execute([SequenceChunk([0] * num_tokens, 0, table)])
-        return self.execute([SequenceChunk([0], num_tokens, table)])
+        return self.execute([SequenceChunk([0], num_tokens, table)]).logits
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
-        """Run one step; fp32 logits [n, vocab] for the chunks that want them, in the order given."""
+    def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
+        """Run one step: fp32 logits for the chunks that want them, and the prompt logprobs chunks ask for."""
         # Kernels take decodes first; remember where each chunk went.
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         ordered = [chunks[i] for i in order]
@@ -119,10 +152,33 @@ class ModelRunner:
                 inputs = self._prepare(ordered, query_lens, context_lens)
             with scope("forward"):
                 hidden = self.model(*inputs)
+        starts = {i: last[rank] + 1 - query_lens[rank] for rank, i in enumerate(order)}
+        scored = [self._score_prompt(hidden, starts[i], c.prompt_scoring) if c.prompt_scoring else None
+                  for i, c in enumerate(chunks)]
         if not rows:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+            return StepOutput(torch.empty(0, self.model.config.vocab_size, device=self.device), scored)
         with scope("forward"):
-            return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+            return StepOutput(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float(), scored)
+
+    def _score_prompt(self, hidden: torch.Tensor, start: int, scoring: PromptScoring) -> PromptLogprobs:
+        """The logprobs of the prompt tokens one chunk predicts, PROMPT_LOGPROBS_ROWS rows of logits at a time."""
+        result = PromptLogprobs([], [], [], [])
+        with scope("sample"):
+            for first in range(0, len(scoring.targets), PROMPT_LOGPROBS_ROWS):
+                targets = torch.tensor(scoring.targets[first : first + PROMPT_LOGPROBS_ROWS], device=self.device)
+                begin = start + scoring.first_row + first
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[begin : begin + len(targets)]).float(), -1)
+                chosen = logprobs.gather(1, targets[:, None])
+                result.logprobs += chosen[:, 0].tolist()
+                result.ranks += (logprobs >= chosen).sum(dim=-1).tolist()  # as the sampler ranks: at least as likely
+                if scoring.top:
+                    values, ids = logprobs.topk(scoring.top, dim=-1)
+                    result.top_ids += ids.tolist()
+                    result.top_logprobs += values.tolist()
+                else:
+                    result.top_ids += [[] for _ in range(len(targets))]
+                    result.top_logprobs += [[] for _ in range(len(targets))]
+        return result
 
     def _prepare(self, ordered: list[SequenceChunk], query_lens: list[int], context_lens: list[int]):
         """The model's arguments for one step: input ids, positions, KV caches, attention metadata."""

@@ -94,6 +94,8 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)  # top-k alternatives per token, besides the sampled one
+    # the prompt tokens' logprobs (the first has none), each with this many top alternatives; vLLM's field
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -141,4 +143,6 @@ class SamplingParams(BaseModel):
     def for_child(self, index: int) -> "SamplingParams":
         """The params of the index-th of n samples: one sequence each, distinct seeds (as vLLM)."""
         seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN  # stays int64
-        return self.model_copy(update={"n": 1, "seed": seed})
+        # one sequence scores the prompt the n samples share
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return self.model_copy(update={"n": 1, "seed": seed, "prompt_logprobs": prompt_logprobs})
