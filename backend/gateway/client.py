@@ -31,6 +31,10 @@ class Chunk:
     num_input_tokens: int | None
     logprobs: list[list[dict] | None] = field(default_factory=list)
     final: bool = False  # the request's last response
+    # when asked for (the prompt_logprobs sampling parameter), once: vLLM's prompt logprobs (None first), and the
+    # prompt's token ids
+    prompt_logprobs: list[dict | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def infer_input(name: str, value: bytes | bool):
@@ -143,5 +147,8 @@ def _chunk(result) -> Chunk:
     reasons = [None if r == "None" else r for r in strings("finish_reason")] or [None] * len(texts)
     num_input = int(result.as_numpy("num_input_tokens")[0]) if "num_input_tokens" in names else None
     logprobs = [json.loads(v) for v in strings("logprobs")]
+    prompt_logprobs = json.loads(strings("prompt_logprobs")[0]) if "prompt_logprobs" in names else None
+    prompt_ids = result.as_numpy("prompt_token_ids").tolist() if "prompt_token_ids" in names else None
     # every sequence has a finish reason only in the last response of a request
-    return Chunk(texts, counts, reasons, num_input, logprobs, final=bool(reasons) and all(reasons))
+    return Chunk(texts, counts, reasons, num_input, logprobs, final=bool(reasons) and all(reasons),
+                 prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids)

@@ -91,6 +91,7 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # the prompt tokens' logprobs, with this many alternatives
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* extras
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -143,6 +144,7 @@ class SamplingFields(OpenAIModel):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "stop": self.stop, "logprobs": logprobs, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+            "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": constraint.model_dump(by_alias=True, exclude_none=True) if constraint else None,
         }
         values = {k: v for k, v in values.items() if v is not None}
@@ -280,8 +282,21 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] = Field(min_length=1)  # token ids go to the engine as they are
     echo: bool = False
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)  # the completions API's default
+    # the completions API's default; 0 only with echo: the prompt scored, nothing generated (OpenAI's recipe)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=5)
+
+    @model_validator(mode="after")
+    def _nothing_to_generate_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo (the prompt's logprobs, nothing generated)")
+        return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the answer carries the prompt's logprobs: echo with logprobs (OpenAI's shape over prompt and
+        completion), or vLLM's prompt_logprobs."""
+        return (self.echo and self.logprobs is not None) or self.prompt_logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -291,4 +306,8 @@ class CompletionRequest(SamplingFields):
         return value
 
     def engine_parameters(self, constraint: StructuredOutputsParams | None = None) -> dict:
-        return self.sampling_parameters(self.max_tokens, self.logprobs, constraint)
+        # max_tokens 0: the engine samples one token (its prefill's), which the answer leaves out
+        values = self.sampling_parameters(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, constraint)
+        if self.echo and self.logprobs is not None:
+            values["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        return values

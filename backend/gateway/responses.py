@@ -65,6 +65,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when its prompt_logprobs extra asks
 
 
 class ChatChunkChoice(BaseModel):
@@ -88,6 +89,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when its prompt_logprobs extra asks
 
 
 class CompletionResponse(BaseModel):

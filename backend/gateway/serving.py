@@ -69,6 +69,8 @@ class Gathered:
     counts: list[int]
     logprobs: list[list[dict] | None]
     num_input_tokens: int = 0
+    prompt_logprobs: list[dict | None] | None = None  # (and the prompt's ids), when asked for
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -122,6 +124,8 @@ class Serving:
                     answer.reasons[i] = chunk.finish_reasons[i] or answer.reasons[i]
                     if chunk.logprobs and chunk.logprobs[i]:
                         answer.logprobs[i] = (answer.logprobs[i] or []) + chunk.logprobs[i]
+                if chunk.prompt_logprobs is not None:
+                    answer.prompt_logprobs, answer.prompt_token_ids = chunk.prompt_logprobs, chunk.prompt_token_ids
                 if chunk.final:
                     break
                 chunk = await anext(responses)

@@ -60,7 +60,8 @@ async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, cons
                                   logprobs=_logprobs(whole.logprobs[i], req.top_logprobs) if req.logprobs else None,
                                   finish_reason=_finish_reason(whole.reasons[i], deltas[i].tools)))
     response = ChatCompletionResponse(id=rid, model=req.model, choices=choices,
-                                      usage=Usage.of(whole.num_input_tokens, sum(whole.counts)))
+                                      usage=Usage.of(whole.num_input_tokens, sum(whole.counts)),
+                                      prompt_logprobs=whole.prompt_logprobs)
     return JSONResponse(response.model_dump())
 
 

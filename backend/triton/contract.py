@@ -48,6 +48,10 @@ OUTPUTS = [
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    # npu-llm's extension, sent only to a request whose sampling parameters ask for prompt_logprobs (vLLM's), once:
+    # the prompt tokens' logprobs as JSON, in vLLM's shape (null for the first token), and the prompt's token ids
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "prompt_token_ids", "data_type": "TYPE_INT64", "dims": [-1]},
 ]
 
 
@@ -198,6 +202,11 @@ def response_tensors(parsed: ParsedRequest, output: RequestOutput, sent_tokens: 
         tensors["logprobs"] = np.array(
             [json.dumps(_logprobs(c, start)).encode() for c, start in zip(completions, starts)], dtype=np.object_
         )
+    # the prompt's, complete once its first token is sampled: in the first response that carries tokens
+    if output.prompt_logprobs is not None and not any(starts):
+        scored = [None] + [_entry(position) for position in output.prompt_logprobs[1:]]
+        tensors["prompt_logprobs"] = np.array([json.dumps(scored).encode()], dtype=np.object_)
+        tensors["prompt_token_ids"] = np.array(output.prompt_token_ids, dtype=np.int64)
     sent_tokens[:] = counts
     return tensors
 
@@ -207,8 +216,10 @@ def _logprobs(completion, start: int) -> list[dict] | None:
     sampled token first (it is always there, with its true rank), then the top alternatives."""
     if completion.logprobs is None:
         return None
-    return [
-        {str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
-         for t, lp in entry.items()}
-        for entry in completion.logprobs[start:]
-    ]
+    return [_entry(position) for position in completion.logprobs[start:]]
+
+
+def _entry(position: dict) -> dict:
+    """One position's logprobs, vLLM's JSON: {token id: {"logprob", "rank", "decoded_token"}}."""
+    return {str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in position.items()}
