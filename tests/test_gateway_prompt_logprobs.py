@@ -75,3 +75,25 @@ def test_vllm_prompt_logprobs_extra_on_completions_and_chat(client, scored, refe
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0})
     ids = chat_prompt_ids(reference_llm.get_tokenizer(), messages)
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == len(ids)
+
+
+def test_a_batch_of_prompts_answers_each_in_order(client, reference_llm, gateway):
+    """OpenAI's list of prompts (lm-eval's tokenized requests send one as [[ids]]): prompt k's choices are
+    indexed k * n + i."""
+    tokenizer = reference_llm.get_tokenizer()
+    prompts = ["The four seasons are", "Paris is the capital of"]
+    expected = [o.outputs[0].text for o in reference_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    by_text = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=8, n=2)
+    assert [c.index for c in by_text.choices] == [0, 1, 2, 3]
+    assert [c.text for c in by_text.choices] == [expected[0]] * 2 + [expected[1]] * 2
+    by_ids = client.completions.create(model=MODEL, prompt=[tokenizer.encode(p) for p in prompts], temperature=0,
+                                       max_tokens=8)
+    assert [c.text for c in by_ids.choices] == expected
+    assert by_ids.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    headers = {"Authorization": f"Bearer {GATEWAY_API_KEY}"}
+    streamed = httpx.post(f"{gateway}/v1/completions", timeout=60, headers=headers,
+                          json={"model": MODEL, "prompt": prompts, "stream": True})
+    assert streamed.status_code == 400 and "batch" in streamed.json()["error"]["message"]
+    empty = httpx.post(f"{gateway}/v1/completions", timeout=60, headers=headers,
+                       json={"model": MODEL, "prompt": ["fine", ""]})
+    assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]

@@ -280,7 +280,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId] = Field(min_length=1)  # token ids go to the engine as they are
+    # one prompt (text or token ids, which go to the engine as they are), or OpenAI's batch: a list of either
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(min_length=1)
     echo: bool = False
     # the completions API's default; 0 only with echo: the prompt scored, nothing generated (OpenAI's recipe)
     max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
@@ -303,7 +304,16 @@ class CompletionRequest(SamplingFields):
     def _not_blank(cls, value):
         if isinstance(value, str) and not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(isinstance(p, (str, list)) and not p for p in value):
+            raise ValueError("prompt: no prompt of the batch may be empty")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a batch's."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     def engine_parameters(self, constraint: StructuredOutputsParams | None = None) -> dict:
         # max_tokens 0: the engine samples one token (its prefill's), which the answer leaves out

@@ -1,6 +1,7 @@
 """POST /v1/completions: a text (or token-id) prompt, answered as OpenAI's text completion or its stream."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
@@ -8,19 +9,46 @@ from starlette.responses import JSONResponse, Response
 
 from backend.gateway.protocol import CompletionRequest
 from backend.gateway.responses import CompletionChoice, CompletionResponse, Usage, completion_id, now
-from backend.gateway.serving import Serving, Totals
+from backend.gateway.serving import ApiError, Serving, Totals
 
 
 async def answer(serving: Serving, req: CompletionRequest, started: float) -> Response:
+    """One prompt's completion, or a batch's: prompt k's choices are indexed k * n + i, as OpenAI's."""
     constraint = req.constraint()  # (at most one: checked when the request was validated)
-    # Token ids go to the engine as they are; their text is only for echo.
-    ids = None if isinstance(req.prompt, str) else req.prompt
-    prompt = req.prompt if ids is None else serving.tokenizer.decode(ids)
     rid = completion_id("cmpl")
-    chunk, responses = await serving.start("completions", started, prompt, req.engine_parameters(constraint),
-                                           req.stream, req.logprobs is not None, rid, ids)
+    prompts = req.prompts
     if req.stream:
+        if len(prompts) > 1:
+            raise ApiError(400, "streaming a batch of prompts is not supported: send one prompt per request", param="prompt")
+        prompt, ids = _prompt_text(serving, prompts[0])
+        chunk, responses = await serving.start("completions", started, prompt, req.engine_parameters(constraint),
+                                               True, req.logprobs is not None, rid, ids)
         return EventSourceResponse(_events(serving, req, rid, prompt, chunk, responses, started))
+    try:
+        async with asyncio.TaskGroup() as group:  # (one failing cancels the others, and its error is the answer)
+            tasks = [group.create_task(_complete(serving, req, p, constraint, started,
+                                                 rid if len(prompts) == 1 else f"{rid}-{k}"))
+                     for k, p in enumerate(prompts)]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    answers = [t.result() for t in tasks]
+    choices = [c.model_copy(update={"index": k * req.n + c.index}) for k, (cs, _) in enumerate(answers) for c in cs]
+    usage = Usage.of(sum(u.prompt_tokens for _, u in answers), sum(u.completion_tokens for _, u in answers))
+    return JSONResponse(CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage).model_dump())
+
+
+def _prompt_text(serving: Serving, prompt: str | list[int]) -> tuple[str, list[int] | None]:
+    """(the prompt's text, its token ids when it was given as ids): ids go to the engine as they are, their text is
+    only for echo."""
+    return (prompt, None) if isinstance(prompt, str) else (serving.tokenizer.decode(prompt), prompt)
+
+
+async def _complete(serving: Serving, req: CompletionRequest, prompt: str | list[int], constraint, started: float,
+                    rid: str) -> tuple[list[CompletionChoice], Usage]:
+    """One prompt's choices (indexed from 0) and usage."""
+    prompt, ids = _prompt_text(serving, prompt)
+    chunk, responses = await serving.start("completions", started, prompt, req.engine_parameters(constraint),
+                                           False, req.logprobs is not None, rid, ids)
     whole = await serving.gather(chunk, responses, req.n)
     echo = prompt if req.echo else ""
     generated = req.max_tokens != 0  # (0: the one token the engine sampled is not part of the answer)
@@ -35,9 +63,7 @@ async def answer(serving: Serving, req: CompletionRequest, started: float) -> Re
                                         finish_reason=whole.reasons[i], logprobs=logprobs,
                                         prompt_logprobs=whole.prompt_logprobs if req.prompt_logprobs is not None
                                         else None))
-    response = CompletionResponse(id=rid, model=req.model, choices=choices,
-                                  usage=Usage.of(whole.num_input_tokens, sum(whole.counts) if generated else 0))
-    return JSONResponse(response.model_dump())
+    return choices, Usage.of(whole.num_input_tokens, sum(whole.counts) if generated else 0)
 
 
 async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: str, chunk, responses,
