@@ -50,6 +50,7 @@ def test_echo_with_logprobs_scores_every_prompt_token(client, scored):
 def test_max_tokens_zero_with_echo_scores_the_prompt_alone(client, scored, gateway):
     answer = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
     assert answer.choices[0].text == PROMPT and answer.usage.completion_tokens == 0
+    assert answer.choices[0].finish_reason == "length"
     assert len(answer.choices[0].logprobs.tokens) == len(scored.prompt_token_ids)
     refused = httpx.post(f"{gateway}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {GATEWAY_API_KEY}"},
                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
@@ -62,6 +63,15 @@ def test_streamed_echo_carries_the_prompt_logprobs_first(client, scored):
     first = events[0].choices[0]
     assert first.text == PROMPT and len(first.logprobs.tokens) == len(scored.prompt_token_ids)
     assert first.logprobs.token_logprobs[0] is None
+    # the generated tokens' offsets go on from the echoed prompt
+    offsets = [o for e in events[1:] for c in e.choices if c.logprobs for o in c.logprobs.text_offset]
+    texts = [c.text for e in events[1:] for c in e.choices if c.logprobs]
+    assert offsets == [len(PROMPT) + sum(len(t) for t in texts[:i]) for i in range(len(texts))] and offsets
+    alone = list(client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.text for e in alone for c in e.choices) == PROMPT
+    assert alone[-1].usage.completion_tokens == 0
+    assert [c.finish_reason for e in alone for c in e.choices if c.finish_reason] == ["length"]
 
 
 def test_vllm_prompt_logprobs_extra_on_completions_and_chat(client, scored, reference_llm):

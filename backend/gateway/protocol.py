@@ -291,13 +291,9 @@ class CompletionRequest(SamplingFields):
     def _nothing_to_generate_only_with_echo(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is allowed only with echo (the prompt's logprobs, nothing generated)")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ValueError("min_tokens: with max_tokens 0 nothing is generated")
         return self
-
-    @property
-    def scores_prompt(self) -> bool:
-        """Whether the answer carries the prompt's logprobs: echo with logprobs (OpenAI's shape over prompt and
-        completion), or vLLM's prompt_logprobs."""
-        return (self.echo and self.logprobs is not None) or self.prompt_logprobs is not None
 
     @field_validator("prompt")
     @classmethod

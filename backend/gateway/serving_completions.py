@@ -60,9 +60,8 @@ async def _complete(serving: Serving, req: CompletionRequest, prompt: str | list
             completion = _positions(whole.logprobs[i] or [], req.logprobs) if generated else []
             logprobs = _openai_logprobs(prompt_positions + completion if req.echo else completion)
         choices.append(CompletionChoice(index=i, text=echo + (whole.texts[i] if generated else ""),
-                                        finish_reason=whole.reasons[i], logprobs=logprobs,
-                                        prompt_logprobs=whole.prompt_logprobs if req.prompt_logprobs is not None
-                                        else None))
+                                        finish_reason=whole.reasons[i] if generated else "length", logprobs=logprobs,
+                                        prompt_logprobs=_trimmed(whole.prompt_logprobs, req.prompt_logprobs)))
     return choices, Usage.of(whole.num_input_tokens, sum(whole.counts) if generated else 0)
 
 
@@ -74,26 +73,36 @@ async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: st
         chunk = CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
         return chunk.model_dump_json(exclude=None if usage else {"usage"})  # usage only in its own last chunk
 
-    if req.echo:  # the prompt first, with its logprobs when asked (they come with the first response)
+    # vLLM's prompt_logprobs extra comes with the first event (they come with the first response)
+    vllm_prompt_logprobs = _trimmed(chunk.prompt_logprobs, req.prompt_logprobs)
+    offsets = [0] * req.n  # each choice's text so far: where its next token's text_offset starts
+    if req.echo:  # the prompt first, with its logprobs when asked
         positions = _prompt_positions(chunk.prompt_token_ids, chunk.prompt_logprobs, serving.tokenizer, req)
         yield event([CompletionChoice(index=i, text=prompt, logprobs=_openai_logprobs(positions) if positions else None,
-                                      prompt_logprobs=chunk.prompt_logprobs if req.prompt_logprobs is not None
-                                      else None)
-                     for i in range(req.n)])
-    generated = req.max_tokens != 0
+                                      prompt_logprobs=vllm_prompt_logprobs) for i in range(req.n)])
+        offsets, vllm_prompt_logprobs = [len(prompt)] * req.n, None
+    generated = req.max_tokens != 0  # (0: the one token the engine sampled is not part of the answer)
     totals = Totals()
     async for c in serving.relay(chunk, responses, "completions", started, totals):
         if isinstance(c, str):
             yield c
             return
-        choices = [CompletionChoice(index=i, text=c.texts[i] if generated else "", finish_reason=c.finish_reasons[i],
-                                    logprobs=_openai_logprobs(_positions(c.logprobs[i] or [], req.logprobs))
-                                    if req.logprobs is not None and c.logprobs and generated else None)
-                   for i in range(len(c.texts)) if (c.texts[i] and generated) or c.finish_reasons[i]]
+        choices = []
+        for i in range(len(c.texts)):
+            if not ((c.texts[i] and generated) or c.finish_reasons[i]):
+                continue
+            logprobs = None
+            if req.logprobs is not None and generated and c.logprobs and c.logprobs[i]:
+                logprobs = _openai_logprobs(_positions(c.logprobs[i], req.logprobs), offsets[i])
+            offsets[i] += len(c.texts[i])
+            choices.append(CompletionChoice(index=i, text=c.texts[i] if generated else "", logprobs=logprobs,
+                                            finish_reason=c.finish_reasons[i] if generated or not c.finish_reasons[i]
+                                            else "length", prompt_logprobs=vllm_prompt_logprobs))
         if choices:
+            vllm_prompt_logprobs = None
             yield event(choices)
     if req.include_usage:
-        yield event([], Usage.of(totals.prompt, totals.completion))
+        yield event([], Usage.of(totals.prompt, totals.completion if generated else 0))
     yield "[DONE]"
 
 
@@ -115,10 +124,19 @@ def _prompt_positions(ids: list[int] | None, scored: list[dict | None] | None, t
     return [(tokenizer.decode([ids[0]]), None, None)] + _positions(scored[1:], req.logprobs)
 
 
-def _openai_logprobs(positions: list[tuple[str, float | None, dict | None]]) -> dict:
+def _trimmed(scored: list[dict | None] | None, top: int | None) -> list[dict | None] | None:
+    """vLLM's prompt logprobs with the `top` alternatives asked for (the engine may have computed more, for echo), or
+    None where they were not asked for."""
+    if top is None or scored is None:
+        return None
+    return [None if entry is None else {t: lp for j, (t, lp) in enumerate(entry.items()) if j == 0 or lp["rank"] <= top}
+            for entry in scored]
+
+
+def _openai_logprobs(positions: list[tuple[str, float | None, dict | None]], offset: int = 0) -> dict:
     """OpenAI's completion logprobs: tokens, their logprobs, the top alternatives, and each token's offset in the
-    answer's text."""
-    offsets, offset = [], 0
+    answer's text (which, streamed, starts at `offset`)."""
+    offsets = []
     for text, _, _ in positions:
         offsets.append(offset)
         offset += len(text)

@@ -202,7 +202,8 @@ def response_tensors(parsed: ParsedRequest, output: RequestOutput, sent_tokens: 
         tensors["logprobs"] = np.array(
             [json.dumps(_logprobs(c, start)).encode() for c, start in zip(completions, starts)], dtype=np.object_
         )
-    # the prompt's, complete once its first token is sampled: in the first response that carries tokens
+    # the prompt's, complete once its first token is sampled: in the first response that carries tokens (the
+    # sequence that scores the prompt, the first, is admitted first, so that response has its token)
     if output.prompt_logprobs is not None and not any(starts):
         scored = [None] + [_entry(position) for position in output.prompt_logprobs[1:]]
         tensors["prompt_logprobs"] = np.array([json.dumps(scored).encode()], dtype=np.object_)
