@@ -355,9 +355,9 @@ class LLMEngine:
                 raise RuntimeError(f"{self._failed_steps} forward passes in a row failed; last: {e!r}") from e
             return None
         self._failed_steps = 0
-        for s, chunk, scored in zip(scheduled, chunks, step.prompt_logprobs):
+        for s, scored in zip(scheduled, step.prompt_logprobs):
             if scored is not None:
-                self.outputs.states[s.request.request_id].add_prompt_logprobs(chunk.prompt_scoring.targets, scored)
+                self.outputs.states[s.request.request_id].add_prompt_logprobs(scored)
         return step.logits
 
     def _prompt_scoring(self, s: ScheduledRequest) -> PromptScoring | None:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from backend.engine.request import Request
-from backend.engine.runner import PromptLogprobs
 from backend.engine.sampler import SampledToken
 from kernels.timing import scope
 
@@ -46,13 +45,12 @@ class RequestState:
         with scope("detokenize"):  # a sequence a stop token ended is not also ended by a stop string
             return self.detokenizer.add_token(sampled.token_id, check_stop=request.can_stop and not stopped_by_token)
 
-    def add_prompt_logprobs(self, targets: list[int], scored: PromptLogprobs) -> None:
-        """The next prompt tokens' logprobs, from one chunk."""
-        for i, token_id in enumerate(targets):
-            entry = {token_id: Logprob(scored.logprobs[i], scored.ranks[i], self.token_text(token_id))}
-            for rank, (alternative, logprob) in enumerate(zip(scored.top_ids[i], scored.top_logprobs[i]), start=1):
-                entry.setdefault(alternative, Logprob(logprob, rank, self.token_text(alternative)))
-            self.prompt_logprobs.append(entry)
+    def add_prompt_logprobs(self, entries: list[dict[int, Logprob]]) -> None:
+        """The next prompt tokens' logprobs, from one chunk (each token's own text, as for the sampled ones)."""
+        for entry in entries:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = self.token_text(token_id)
+        self.prompt_logprobs += entries
 
     @property
     def prompt_scored(self) -> bool:

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 
 from backend.engine.decode_graphs import DecodeGraphs
+from backend.engine.outputs import Logprob
+from backend.engine.sampler import ranked_logprobs
 from backend.platform import Platform
 from kernels import AttentionMetadata
 from kernels.metadata import cdiv
@@ -33,17 +35,6 @@ class PromptScoring:
 
 
 @dataclass
-class PromptLogprobs:
-    """One chunk's scores, on the CPU: per target, its logprob and rank (1 = the most likely token), and the
-    top-k alternatives ([n, top] ids and logprobs)."""
-
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-@dataclass
 class SequenceChunk:
     """One sequence's share of a step: new tokens to run after `num_computed` cached ones."""
 
@@ -57,7 +48,8 @@ class SequenceChunk:
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # fp32 [n, vocab]: the next token's, for the chunks that want logits, in their order
-    prompt_logprobs: list[PromptLogprobs | None]  # per chunk, in their order
+    # per chunk, in their order: its prompt targets' logprobs (sampler.ranked_logprobs' entries), or None
+    prompt_logprobs: list[list[dict[int, Logprob]] | None]
 
 
 class ModelRunner:
@@ -160,25 +152,16 @@ class ModelRunner:
         with scope("forward"):
             return StepOutput(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float(), scored)
 
-    def _score_prompt(self, hidden: torch.Tensor, start: int, scoring: PromptScoring) -> PromptLogprobs:
+    def _score_prompt(self, hidden: torch.Tensor, start: int, scoring: PromptScoring) -> list[dict[int, Logprob]]:
         """The logprobs of the prompt tokens one chunk predicts, PROMPT_LOGPROBS_ROWS rows of logits at a time."""
-        result = PromptLogprobs([], [], [], [])
+        entries = []
         with scope("sample"):
             for first in range(0, len(scoring.targets), PROMPT_LOGPROBS_ROWS):
                 targets = torch.tensor(scoring.targets[first : first + PROMPT_LOGPROBS_ROWS], device=self.device)
                 begin = start + scoring.first_row + first
                 logprobs = torch.log_softmax(self.model.compute_logits(hidden[begin : begin + len(targets)]).float(), -1)
-                chosen = logprobs.gather(1, targets[:, None])
-                result.logprobs += chosen[:, 0].tolist()
-                result.ranks += (logprobs >= chosen).sum(dim=-1).tolist()  # as the sampler ranks: at least as likely
-                if scoring.top:
-                    values, ids = logprobs.topk(scoring.top, dim=-1)
-                    result.top_ids += ids.tolist()
-                    result.top_logprobs += values.tolist()
-                else:
-                    result.top_ids += [[] for _ in range(len(targets))]
-                    result.top_logprobs += [[] for _ in range(len(targets))]
-        return result
+                entries += ranked_logprobs(logprobs, targets, [scoring.top] * len(targets))
+        return entries
 
     def _prepare(self, ordered: list[SequenceChunk], query_lens: list[int], context_lens: list[int]):
         """The model's arguments for one step: input ids, positions, KV caches, attention metadata."""

@@ -52,21 +52,31 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
 
     sampled = [SampledToken(token) for token in tokens.tolist()]
     if logprobs_all is not None:
-        chosen_values = logprobs_all.gather(1, tokens[:, None])
-        chosen_ranks = (logprobs_all >= chosen_values).sum(dim=-1).tolist()  # vLLM's: tokens at least as likely
-        chosen = chosen_values[:, 0].tolist()
-        k = max(p.logprobs or 0 for p in params)
-        top_values, top_ids = logprobs_all.topk(k, dim=-1) if k else (None, None)
+        entries = ranked_logprobs(logprobs_all, tokens, [p.logprobs or 0 for p in params])
         for row, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            entry = {sampled[row].token_id: Logprob(chosen[row], chosen_ranks[row])}
-            if p.logprobs:
-                top = zip(top_ids[row, : p.logprobs].tolist(), top_values[row, : p.logprobs].tolist())
-                for rank, (tid, lp) in enumerate(top, start=1):
-                    entry.setdefault(tid, Logprob(lp, rank))
-            sampled[row].logprobs, sampled[row].logprob = entry, chosen[row]
+            if p.logprobs is not None:
+                token = sampled[row]
+                token.logprobs, token.logprob = entries[row], entries[row][token.token_id].logprob
     return sampled
+
+
+def ranked_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[dict[int, Logprob]]:
+    """vLLM's logprobs for each row of logprobs [n, vocab]: tokens[row] first, with its rank (vLLM's: the tokens at
+    least as likely), then the tops[row] most likely tokens, ranked from 1 (decoded_token still None)."""
+    chosen_values = logprobs.gather(1, tokens[:, None])
+    chosen_ranks = (logprobs >= chosen_values).sum(dim=-1).tolist()
+    chosen = chosen_values[:, 0].tolist()
+    k = max(tops, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    entries = []
+    for row, (token, top) in enumerate(zip(tokens.tolist(), tops)):
+        entry = {token: Logprob(chosen[row], chosen_ranks[row])}
+        if top:
+            alternatives = zip(top_ids[row, :top].tolist(), top_values[row, :top].tolist())
+            for rank, (tid, lp) in enumerate(alternatives, start=1):
+                entry.setdefault(tid, Logprob(lp, rank))
+        entries.append(entry)
+    return entries
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -60,7 +60,7 @@ async def _complete(serving: Serving, req: CompletionRequest, prompt: str | list
             completion = _positions(whole.logprobs[i] or [], req.logprobs) if generated else []
             logprobs = _openai_logprobs(prompt_positions + completion if req.echo else completion)
         choices.append(CompletionChoice(index=i, text=echo + (whole.texts[i] if generated else ""),
-                                        finish_reason=whole.reasons[i] if generated else "length", logprobs=logprobs,
+                                        finish_reason=_finish_reason(whole.reasons[i], generated), logprobs=logprobs,
                                         prompt_logprobs=_trimmed(whole.prompt_logprobs, req.prompt_logprobs)))
     return choices, Usage.of(whole.num_input_tokens, sum(whole.counts) if generated else 0)
 
@@ -96,14 +96,20 @@ async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: st
                 logprobs = _openai_logprobs(_positions(c.logprobs[i], req.logprobs), offsets[i])
             offsets[i] += len(c.texts[i])
             choices.append(CompletionChoice(index=i, text=c.texts[i] if generated else "", logprobs=logprobs,
-                                            finish_reason=c.finish_reasons[i] if generated or not c.finish_reasons[i]
-                                            else "length", prompt_logprobs=vllm_prompt_logprobs))
+                                            finish_reason=_finish_reason(c.finish_reasons[i], generated),
+                                            prompt_logprobs=vllm_prompt_logprobs))
         if choices:
             vllm_prompt_logprobs = None
             yield event(choices)
     if req.include_usage:
         yield event([], Usage.of(totals.prompt, totals.completion if generated else 0))
     yield "[DONE]"
+
+
+def _finish_reason(reason: str | None, generated: bool) -> str | None:
+    """The engine's reason, or "length" for an answer that asked for no tokens (max_tokens 0: the one the engine
+    sampled, whatever ended it, is not in the answer)."""
+    return reason if generated or reason is None else "length"
 
 
 def _positions(entries: list[dict], top: int) -> list[tuple[str, float | None, dict | None]]:
