@@ -1,4 +1,4 @@
-"""OpenAI response shapes (pydantic): chat completions, text completions, their stream chunks, errors."""
+"""OpenAI response shapes (pydantic): chat completions, text completions, their stream chunks, the model list."""
 from __future__ import annotations
 
 import time
@@ -16,8 +16,9 @@ def now() -> int:
     return int(time.time())
 
 
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def chunk_json(chunk: BaseModel) -> str:
+    """A stream chunk as sent: its usage only in the stream's own last chunk (when the client asked for it)."""
+    return chunk.model_dump_json(exclude=None if chunk.usage else {"usage"})
 
 
 class Usage(BaseModel):

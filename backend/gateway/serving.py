@@ -1,44 +1,19 @@
-"""What every endpoint shares: the Triton client, the tokenizer, the metrics, the HTTP errors, and one path
-from Triton's responses to an answer (`relay` for a stream, `gather` for a whole answer).
+"""What every endpoint shares: the Triton client, the tokenizer, the metrics, and one path from Triton's responses
+to an answer (`relay` for a stream, `gather`, built on it, for a whole answer).
 
-The first Triton response is awaited before answering, so a request the engine rejects gets a
-proper 4xx instead of a stream that fails; after that, errors travel as an SSE error event.
+The first Triton response is awaited before answering, so a request the engine rejects gets a proper 4xx instead of
+a stream that fails; after that, errors travel in-band (backend/gateway/sse.py).
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from starlette.responses import JSONResponse
 
-from backend.gateway.client import Chunk, InvalidRequest, TritonClient, TritonUnavailable
-from backend.gateway.responses import error_body
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status)
-
-
-@contextlib.contextmanager
-def triton_errors():
-    """Failures reported by the Triton client, as the gateway's HTTP errors."""
-    try:
-        yield
-    except InvalidRequest as e:
-        raise ApiError(400, str(e)) from None
-    except TritonUnavailable as e:
-        raise ApiError(503, str(e), "service_unavailable") from None
-    except RuntimeError as e:
-        raise ApiError(500, str(e), "internal_error") from None
+from backend.gateway.client import Chunk, TritonClient
+from backend.gateway.errors import ApiError, triton_errors
 
 
 class GatewayMetrics:
@@ -93,44 +68,36 @@ class Serving:
         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started)
         return first, responses
 
-    async def relay(self, chunk: Chunk, responses, endpoint: str, started: float,
-                    totals: Totals) -> AsyncIterator[Chunk | str]:
-        """The chunks of a started stream; an error becomes one SSE error payload (a str). Counts tokens."""
-        totals.prompt = chunk.num_input_tokens or 0
+    @staticmethod
+    async def relay(chunk: Chunk, responses, totals: Totals | None = None) -> AsyncIterator[Chunk]:
+        """The chunks of a started request, the first included, to its final one (counted into `totals`); the
+        Triton stream is closed however the reading ends."""
+        if totals is not None:
+            totals.prompt = chunk.num_input_tokens or 0
         try:
             while True:
-                totals.completion += sum(chunk.num_new_tokens)
+                if totals is not None:
+                    totals.completion += sum(chunk.num_new_tokens)
                 yield chunk
                 if chunk.final:
-                    break
+                    return
                 chunk = await anext(responses)
         except StopAsyncIteration:
             pass
-        except Exception as e:  # after the 200: tell the client in-band, then end the stream
-            yield json.dumps(error_body(str(e), "internal_error", 500))
         finally:
             await responses.aclose()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
-    @staticmethod
-    async def gather(chunk: Chunk, responses, n: int) -> Gathered:
+    @classmethod
+    async def gather(cls, chunk: Chunk, responses, n: int) -> Gathered:
         """A whole non-streaming answer (one Triton response, but read to the end of the stream)."""
         answer = Gathered([""] * n, [None] * n, [0] * n, [None] * n, chunk.num_input_tokens or 0)
-        try:
-            while True:
-                for i in range(len(chunk.texts)):
-                    answer.texts[i] += chunk.texts[i]
-                    answer.counts[i] += chunk.num_new_tokens[i]
-                    answer.reasons[i] = chunk.finish_reasons[i] or answer.reasons[i]
-                    if chunk.logprobs and chunk.logprobs[i]:
-                        answer.logprobs[i] = (answer.logprobs[i] or []) + chunk.logprobs[i]
-                if chunk.prompt_logprobs is not None:
-                    answer.prompt_logprobs, answer.prompt_token_ids = chunk.prompt_logprobs, chunk.prompt_token_ids
-                if chunk.final:
-                    break
-                chunk = await anext(responses)
-        except StopAsyncIteration:
-            pass
-        finally:
-            await responses.aclose()
+        async for chunk in cls.relay(chunk, responses):
+            for i in range(len(chunk.texts)):
+                answer.texts[i] += chunk.texts[i]
+                answer.counts[i] += chunk.num_new_tokens[i]
+                answer.reasons[i] = chunk.finish_reasons[i] or answer.reasons[i]
+                if chunk.logprobs and chunk.logprobs[i]:
+                    answer.logprobs[i] = (answer.logprobs[i] or []) + chunk.logprobs[i]
+            if chunk.prompt_logprobs is not None:
+                answer.prompt_logprobs, answer.prompt_token_ids = chunk.prompt_logprobs, chunk.prompt_token_ids
         return answer

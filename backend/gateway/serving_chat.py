@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
 from backend.engine.sampling_params import StructuredOutputsParams
@@ -20,11 +19,14 @@ from backend.gateway.responses import (
     FunctionCallOut,
     ToolCallOut,
     Usage,
+    chunk_json,
     completion_id,
     now,
 )
 from backend.gateway.reasoning import ReasoningSplit, reasoning_split
-from backend.gateway.serving import ApiError, Serving, Totals
+from backend.gateway.errors import ApiError
+from backend.gateway.serving import Serving, Totals
+from backend.gateway.sse import event_stream
 from backend.gateway.tools import ToolDeltas, constraint_for, render_prompt
 
 
@@ -51,7 +53,7 @@ async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, cons
                                            req.logprobs, rid)
     deltas = [_choice_deltas(serving, req, prompt, constraint) for _ in range(req.n)]
     if req.stream:
-        return EventSourceResponse(_events(serving, req, deltas, rid, chunk, responses, started))
+        return event_stream(_events(serving, req, deltas, rid, chunk, responses))
     whole = await serving.gather(chunk, responses, req.n)
     choices = []
     for i in range(req.n):
@@ -66,19 +68,15 @@ async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, cons
 
 
 async def _events(serving: Serving, req: ChatCompletionRequest, deltas: list[ChoiceDeltas], rid: str, chunk,
-                  responses, started: float) -> AsyncIterator[str]:
+                  responses) -> AsyncIterator[str]:
     created = now()
 
     def event(choices, usage=None) -> str:
-        chunk = ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, usage=usage)
-        return chunk.model_dump_json(exclude=None if usage else {"usage"})  # usage only in its own last chunk
+        return chunk_json(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, usage=usage))
 
     yield event([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(req.n)])
     totals = Totals()
-    async for c in serving.relay(chunk, responses, "chat", started, totals):
-        if isinstance(c, str):  # an error after the stream started
-            yield c
-            return
+    async for c in serving.relay(chunk, responses, totals):
         for i, text in enumerate(c.texts):
             reason = c.finish_reasons[i]
             parts = deltas[i].feed(text) + (deltas[i].finish() if reason else [])
@@ -92,7 +90,6 @@ async def _events(serving: Serving, req: ChatCompletionRequest, deltas: list[Cho
                                              else None)])
     if req.include_usage:
         yield event([], Usage.of(totals.prompt, totals.completion))
-    yield "[DONE]"
 
 
 @dataclass

@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
 from backend.gateway.protocol import CompletionRequest
-from backend.gateway.responses import CompletionChoice, CompletionResponse, Usage, completion_id, now
-from backend.gateway.serving import ApiError, Serving, Totals
+from backend.gateway.errors import ApiError
+from backend.gateway.responses import CompletionChoice, CompletionResponse, Usage, chunk_json, completion_id, now
+from backend.gateway.serving import Serving, Totals
+from backend.gateway.sse import event_stream
 
 
 async def answer(serving: Serving, req: CompletionRequest, started: float) -> Response:
@@ -23,7 +24,7 @@ async def answer(serving: Serving, req: CompletionRequest, started: float) -> Re
         prompt, ids = _prompt_text(serving, prompts[0])
         chunk, responses = await serving.start("completions", started, prompt, req.engine_parameters(constraint),
                                                True, req.logprobs is not None, rid, ids)
-        return EventSourceResponse(_events(serving, req, rid, prompt, chunk, responses, started))
+        return event_stream(_events(serving, req, rid, prompt, chunk, responses))
     try:
         async with asyncio.TaskGroup() as group:  # (one failing cancels the others, and its error is the answer)
             tasks = [group.create_task(_complete(serving, req, p, constraint, started,
@@ -65,13 +66,12 @@ async def _complete(serving: Serving, req: CompletionRequest, prompt: str | list
     return choices, Usage.of(whole.num_input_tokens, sum(whole.counts) if generated else 0)
 
 
-async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: str, chunk, responses,
-                  started: float) -> AsyncIterator[str]:
+async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: str, chunk,
+                  responses) -> AsyncIterator[str]:
     created = now()
 
     def event(choices, usage=None) -> str:
-        chunk = CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
-        return chunk.model_dump_json(exclude=None if usage else {"usage"})  # usage only in its own last chunk
+        return chunk_json(CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage))
 
     # vLLM's prompt_logprobs extra comes with the first event (they come with the first response)
     vllm_prompt_logprobs = _trimmed(chunk.prompt_logprobs, req.prompt_logprobs)
@@ -83,10 +83,7 @@ async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: st
         offsets, vllm_prompt_logprobs = [len(prompt)] * req.n, None
     generated = req.max_tokens != 0  # (0: the one token the engine sampled is not part of the answer)
     totals = Totals()
-    async for c in serving.relay(chunk, responses, "completions", started, totals):
-        if isinstance(c, str):
-            yield c
-            return
+    async for c in serving.relay(chunk, responses, totals):
         choices = []
         for i in range(len(c.texts)):
             if not ((c.texts[i] and generated) or c.finish_reasons[i]):
@@ -103,7 +100,6 @@ async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: st
             yield event(choices)
     if req.include_usage:
         yield event([], Usage.of(totals.prompt, totals.completion if generated else 0))
-    yield "[DONE]"
 
 
 def _finish_reason(reason: str | None, generated: bool) -> str | None:

@@ -1,0 +1,43 @@
+"""The gateway's errors, built one way: OpenAI's error body, the ApiError that carries one to the client (a JSON
+response before a stream starts, an in-band event after), and the Triton client's failures as ApiErrors."""
+from __future__ import annotations
+
+import contextlib
+
+from starlette.responses import JSONResponse
+
+from backend.gateway.client import InvalidRequest, TritonUnavailable
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    @classmethod
+    def of(cls, error: Exception) -> "ApiError":
+        """Any failure as the error a client is told of (one met after the answer began has no better status)."""
+        return error if isinstance(error, ApiError) else cls(500, str(error), "internal_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.status, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@contextlib.contextmanager
+def triton_errors():
+    """Failures reported by the Triton client, as the gateway's HTTP errors."""
+    try:
+        yield
+    except InvalidRequest as e:
+        raise ApiError(400, str(e)) from None
+    except TritonUnavailable as e:
+        raise ApiError(503, str(e), "service_unavailable") from None
+    except RuntimeError as e:
+        raise ApiError(500, str(e), "internal_error") from None

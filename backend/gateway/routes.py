@@ -1,0 +1,97 @@
+"""The gateway's routes: thin handlers that read their state from `request.app.state` (the settings and the
+Serving), parse the body (backend/gateway/request_body.py) and hand it to the endpoint's module. The API key and the
+request metrics are middleware (backend/gateway/middleware.py); errors become responses in app.py's handlers."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend.gateway import serving_chat, serving_completions
+from backend.gateway.errors import ApiError, triton_errors
+from backend.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from backend.gateway.request_body import parse
+from backend.gateway.responses import ModelCard, ModelList
+
+
+async def until_disconnected(request: Request, work):
+    """Await `work` (a coroutine), cancelling it if the client disconnects first (ClientDisconnect then).
+
+    Only once the body has been read: the watcher takes the connection's next ASGI message.
+    """
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # this handler itself is cancelled (the server shutting down): so is the work
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    if not watcher.cancelled():
+        watcher.exception()  # retrieved: a failed receive counts as a disconnect
+    task.cancel()  # the client left first
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnect()
+
+
+async def chat(request: Request) -> Response:
+    serving = request.app.state.serving
+    req = await parse(request, ChatCompletionRequest)
+    prompt, constraint = serving_chat.prepare(serving, req)
+    return await until_disconnected(request, serving_chat.answer(serving, req, prompt, constraint,
+                                                                 request.state.started))
+
+
+async def completions(request: Request) -> Response:
+    req = await parse(request, CompletionRequest)
+    return await until_disconnected(request, serving_completions.answer(request.app.state.serving, req,
+                                                                        request.state.started))
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse(ModelList(data=[ModelCard(id=request.app.state.settings.served_model_name)]).model_dump())
+
+
+async def health(request: Request) -> Response:
+    """200 when Triton's model is ready to serve (the one route open without the API key)."""
+    settings = request.app.state.settings
+    if await request.app.state.serving.triton.ready():
+        return JSONResponse({"status": "ok"})
+    raise ApiError(503, f"Triton model {settings.triton_model!r} at {settings.triton_url} is not ready",
+                   "service_unavailable")
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def profile(request: Request) -> Response:
+    """POST /start_profile, /stop_profile (vLLM's admin routes): a capture in the engine, when it was served with the
+    profile_dir engine argument."""
+    with triton_errors():
+        return JSONResponse(await request.app.state.serving.triton.admin(request.url.path.strip("/")))
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/start_profile", profile, methods=["POST"]),
+    Route("/stop_profile", profile, methods=["POST"]),
+]
+# The routes counted in npu_llm_gateway_requests_total (and timed), by their endpoint label.
+COUNTED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/start_profile": "profile",
+           "/stop_profile": "profile"}
