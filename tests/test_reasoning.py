@@ -214,6 +214,29 @@ def test_reasoning_is_split_from_the_answer(qwen3_gateway, gateway, stream):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_responses_api_gives_the_reasoning_its_own_output_item(qwen3_gateway, gateway, stream):
+    kwargs = dict(model=MODEL, input=ASK, temperature=0, max_output_tokens=40,
+                  extra_body={"structured_outputs": {"regex": THINK_THEN_ANSWER}})
+    plain = _client(gateway).responses.create(**kwargs)  # no parser: one message, the tags in its text
+    assert [item.type for item in plain.output] == ["message"]
+    thought, answer = re.fullmatch(r"<think>(.*)</think>(.*)", plain.output_text).groups()
+    client = _client(qwen3_gateway)
+    if stream:
+        with client.responses.stream(**kwargs) as events:
+            seen = list(events)
+            got = events.get_final_response()
+        assert "".join(e.delta for e in seen if e.type == "response.reasoning_text.delta") == thought
+        assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == answer
+    else:
+        got = client.responses.create(**kwargs)
+    reasoning, message = got.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == thought
+    assert message.type == "message" and got.output_text == answer
+    assert 0 < got.usage.output_tokens_details.reasoning_tokens < got.usage.output_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_tool_call_after_the_reasoning_is_a_call(qwen3_gateway, stream):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -4,7 +4,8 @@ where an error becomes a response.
 
 Each request becomes one Triton gRPC stream (backend/gateway/serving.py). A client that disconnects, streaming or
 not, cancels the Triton stream, and with it the engine request and its KV blocks. The endpoints: serving_chat.py,
-serving_completions.py.
+serving_completions.py, serving_responses.py (OpenAI's Responses API), serving_tokenize.py (vLLM's /tokenize and
+/detokenize).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from backend.gateway.client import TritonClient
 from backend.gateway.errors import ApiError
 from backend.gateway.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
 from backend.gateway.reasoning import REASONING_PARSERS, reasoning_parser
+from backend.gateway.response_store import ResponseStore
 from backend.gateway.routes import COUNTED, ROUTES
 from backend.gateway.serving import Serving
 from backend.gateway.tools import TOOL_CALL_PARSERS, tool_call_parser
@@ -89,5 +91,5 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
     app = Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                                         ClientDisconnect: _client_left})
-    app.state.settings, app.state.serving = settings, serving
+    app.state.settings, app.state.serving, app.state.response_store = settings, serving, ResponseStore()
     return app

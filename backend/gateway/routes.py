@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from importlib.metadata import version as package_version
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backend.gateway import serving_chat, serving_completions
+from backend.gateway import serving_chat, serving_completions, serving_responses, serving_tokenize
 from backend.gateway.errors import ApiError, triton_errors
 from backend.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from backend.gateway.protocol_responses import ResponsesRequest
+from backend.gateway.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from backend.gateway.request_body import parse
 from backend.gateway.responses import ModelCard, ModelList
 
@@ -59,6 +62,29 @@ async def completions(request: Request) -> Response:
                                                                         request.state.started))
 
 
+async def responses(request: Request) -> Response:
+    req = await parse(request, ResponsesRequest)
+    state = request.app.state
+    return await until_disconnected(request, serving_responses.answer(state.serving, state.response_store, req,
+                                                                      request.state.started))
+
+
+async def kept_response(request: Request) -> Response:
+    return serving_responses.retrieve(request.app.state.response_store, request.path_params["response_id"])
+
+
+async def tokenize(request: Request) -> Response:
+    return await serving_tokenize.tokenize(request.app.state.serving, await parse(request, TokenizeRequest))
+
+
+async def detokenize(request: Request) -> Response:
+    return serving_tokenize.detokenize(request.app.state.serving, await parse(request, DetokenizeRequest))
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": package_version("npu-llm")})
+
+
 async def models(request: Request) -> Response:
     return JSONResponse(ModelList(data=[ModelCard(id=request.app.state.settings.served_model_name)]).model_dump())
 
@@ -86,6 +112,11 @@ async def profile(request: Request) -> Response:
 ROUTES = [
     Route("/v1/chat/completions", chat, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/responses/{response_id}", kept_response, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/version", version, methods=["GET"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
@@ -93,5 +124,5 @@ ROUTES = [
     Route("/stop_profile", profile, methods=["POST"]),
 ]
 # The routes counted in npu_llm_gateway_requests_total (and timed), by their endpoint label.
-COUNTED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/start_profile": "profile",
-           "/stop_profile": "profile"}
+COUNTED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+           "/tokenize": "tokenize", "/detokenize": "detokenize", "/start_profile": "profile", "/stop_profile": "profile"}

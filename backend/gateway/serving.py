@@ -55,6 +55,7 @@ class Serving:
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None  # one of REASONING_PARSERS; None: the output is all content
     triton: TritonClient | None = None  # made in the app's lifespan: grpc.aio channels belong to its event loop
+    max_model_len: int | None = None  # the engine's, once asked (backend/gateway/serving_tokenize.py)
 
     async def start(self, endpoint: str, started: float, prompt: str, parameters: dict, stream: bool, logprobs: bool,
                     request_id: str, prompt_token_ids: list[int] | None = None) -> tuple[Chunk, AsyncIterator[Chunk]]:

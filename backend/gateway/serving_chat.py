@@ -51,7 +51,7 @@ async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, cons
     rid = completion_id("chatcmpl")
     chunk, responses = await serving.start("chat", started, prompt, req.engine_parameters(constraint), req.stream,
                                            req.logprobs, rid)
-    deltas = [_choice_deltas(serving, req, prompt, constraint) for _ in range(req.n)]
+    deltas = [choice_deltas(serving, req, prompt, constraint) for _ in range(req.n)]
     if req.stream:
         return event_stream(_events(serving, req, deltas, rid, chunk, responses))
     whole = await serving.gather(chunk, responses, req.n)
@@ -133,7 +133,7 @@ def _message(parts: list[dict]) -> AssistantMessage:
                             reasoning=reasoning, tool_calls=tool_calls or None)
 
 
-def _choice_deltas(serving: Serving, req: ChatCompletionRequest, prompt: str,
+def choice_deltas(serving: Serving, req: ChatCompletionRequest, prompt: str,
                    constraint: StructuredOutputsParams | None) -> ChoiceDeltas:
     tools = ToolDeltas(req.tool_mode, serving.tool_call_parser, {t.function.name for t in req.tools or []},
                        req.parallel_tool_calls)

@@ -1,8 +1,9 @@
 """Server-sent events, framed in one place: each event as the endpoint made it, an error met after the 200 as one
 last in-band event (the status is already sent), and the protocol's end marker. Chat and completions send bare data
-events ending in [DONE]."""
+events ending in [DONE]; the Responses API sends typed events (`typed_event_stream`)."""
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -19,7 +20,8 @@ def chunk_error(error: ApiError) -> str:
 def event_stream(events: AsyncIterator[str | ServerSentEvent], *,
                  error_event: Callable[[ApiError], str | ServerSentEvent] = chunk_error,
                  done: str | None = "[DONE]") -> EventSourceResponse:
-    """A streamed answer. `done` ends a stream that finished (chat and completions end with [DONE])."""
+    """A streamed answer. `done` ends a stream that finished (chat and completions end with [DONE]; the Responses
+    API's last event says so itself)."""
     async def framed():
         try:
             async for event in events:
@@ -32,3 +34,18 @@ def event_stream(events: AsyncIterator[str | ServerSentEvent], *,
 
     return EventSourceResponse(framed())
 
+
+def typed_event_stream(events: Callable[[Callable[[dict], ServerSentEvent]], AsyncIterator[ServerSentEvent]]
+                       ) -> EventSourceResponse:
+    """The Responses API's stream: `events(event)` makes its events with `event(payload)`, which names each by its
+    type and numbers it (`sequence_number`, one sequence per stream). An error is an `error` event; the last event
+    (response.completed) says the stream is done, so there is no end marker."""
+    sequence = itertools.count()
+
+    def event(payload: dict) -> ServerSentEvent:
+        return ServerSentEvent(data=json.dumps({**payload, "sequence_number": next(sequence)}), event=payload["type"])
+
+    def error_event(error: ApiError) -> ServerSentEvent:
+        return event({"type": "error", "code": str(error.status), "message": error.message, "param": error.param})
+
+    return event_stream(events(event), error_event=error_event, done=None)

@@ -49,7 +49,7 @@ def tool_call_parser(tokenizer, setting: str = "auto") -> str:
 
 
 def render_prompt(tokenizer, messages: list[dict], tools: list[Tool] | None,
-                  template_kwargs: dict | None = None) -> str:
+                  template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
     """The conversation through the model's chat template (tools= as transformers passes them to it), with the
     request's chat_template_kwargs as the template's variables."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -57,8 +57,8 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Tool] | None,
     if "tool" not in template:  # the template would drop tools, calls and results: write them the Hermes way
         messages = _hermes_messages(messages, specs)
         specs = None
-    return tokenizer.apply_chat_template(messages, tools=specs, add_generation_prompt=True, tokenize=False,
-                                         **(template_kwargs or {}))
+    return tokenizer.apply_chat_template(messages, tools=specs, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, **(template_kwargs or {}))
 
 
 def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:

@@ -21,9 +21,10 @@ INVALID_REQUEST = "Error generating stream: "
 ENGINE_UNAVAILABLE = "engine unavailable: "
 
 # A request whose Triton request parameters carry this key is an engine admin action, not a generation.
-# The gateway's POST /start_profile and /stop_profile send it (vLLM's routes of the same names).
+# The gateway's POST /start_profile and /stop_profile send it (vLLM's routes of the same names), and its /tokenize
+# asks for engine_info (the served max_model_len).
 ADMIN_PARAMETER = "npu_llm_admin"
-ADMIN_ACTIONS = ("start_profile", "stop_profile")
+ADMIN_ACTIONS = ("start_profile", "stop_profile", "engine_info")
 
 # A token a grammar forbids has logprob -inf, which JSON cannot carry: vLLM's serving layer clamps it to this.
 MIN_LOGPROB = -9999.0

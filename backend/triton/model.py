@@ -214,9 +214,11 @@ class TritonPythonModel:
         self._record(output, parsed, gaps)
 
     async def _admin(self, action: str, sender: _Sender) -> None:
-        """start_profile / stop_profile; the answer is one JSON text_output."""
+        """start_profile / stop_profile / engine_info; the answer is one JSON text_output."""
         try:
-            if action == "start_profile":
+            if action == "engine_info":
+                result = {"max_model_len": self.engine.config.max_model_len}
+            elif action == "start_profile":
                 await self.engine.start_profile()
                 result = {"profiling": True}
             else:
@@ -225,7 +227,8 @@ class TritonPythonModel:
         except (ValueError, RuntimeError) as e:  # profiling off, or not in the state the action needs
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
-        self.logger.log_info(f"[npu-llm] {action} done")
+        if action != "engine_info":  # (asked for by every /tokenize: not worth a line each time)
+            self.logger.log_info(f"[npu-llm] {action} done")
         self._queue_response(sender, {"text_output": np.array([json.dumps(result).encode()], dtype=np.object_)}, True)
 
     def _record(self, output, parsed: ParsedRequest, gaps: InterTokenTimes, cancelled: bool = False) -> None:

@@ -1,0 +1,40 @@
+"""vLLM's utility requests: POST /tokenize (a prompt, or messages through the chat template) and POST /detokenize."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict, Field, model_validator
+
+from backend.engine.sampling_params import TokenId
+from backend.gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, OpenAIModel, Tool
+
+
+class UtilityRequest(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: str | None = None  # (optional, as vLLM's; when given it must be the served one)
+
+
+class TokenizeRequest(UtilityRequest):
+    """Either `prompt` (with the tokenizer's special tokens unless add_special_tokens is false) or `messages` (the
+    chat template's text, which carries its own special tokens)."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give prompt or messages, one of them")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: the server sets {', '.join(reserved)} itself")
+        return self
+
+
+class DetokenizeRequest(UtilityRequest):
+    tokens: list[TokenId]

@@ -1,0 +1,75 @@
+"""The gateway's one SSE framing (backend/gateway/sse.py) over real HTTP: an endpoint's events as it made them, an
+error met after the 200 as one last in-band event (chat's error body, or the Responses API's `error` event, which
+the openai SDK parses), and the end marker only on a stream that finished."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from backend.gateway.sse import event_stream, typed_event_stream
+
+
+async def _events(fail: bool, make):
+    yield make({"type": "first"})
+    if fail:
+        raise RuntimeError("the engine went away")
+    yield make({"type": "second"})
+
+
+def _app() -> Starlette:
+    async def chunks(request):
+        return event_stream(_events(request.query_params.get("fail") == "1", json.dumps))
+
+    async def typed(request):
+        return typed_event_stream(lambda event: _events(request.query_params.get("fail") == "1", event))
+
+    return Starlette(routes=[Route("/chunks", chunks), Route("/typed", typed)])
+
+
+def _read(path: str) -> list[tuple[str | None, str]]:
+    transport = httpx.ASGITransport(app=_app())
+
+    async def read():
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            response = await client.get(path)
+            assert response.status_code == 200
+            events, name = [], None
+            for line in response.text.splitlines():
+                if line.startswith("event: "):
+                    name = line[len("event: "):]
+                elif line.startswith("data: "):
+                    events.append((name, line[len("data: "):]))
+                    name = None
+            return events
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+def test_chat_and_completions_streams_end_in_done_or_an_error_body(fail):
+    events = _read(f"/chunks?fail={int(fail)}")
+    assert events[0] == (None, json.dumps({"type": "first"}))
+    if fail:
+        [(_, last)] = events[1:]
+        assert json.loads(last) == {"error": {"message": "the engine went away", "type": "internal_error",
+                                              "param": None, "code": 500}}
+    else:
+        assert [data for _, data in events[1:]] == [json.dumps({"type": "second"}), "[DONE]"]
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+def test_responses_streams_are_named_numbered_and_fail_with_an_error_event(fail):
+    events = _read(f"/typed?fail={int(fail)}")
+    payloads = [json.loads(data) for _, data in events]
+    assert [name for name, _ in events] == [p["type"] for p in payloads]  # each event named by its type
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    if fail:
+        assert payloads[-1] == {"type": "error", "code": "500", "message": "the engine went away", "param": None,
+                                "sequence_number": 1}
+    else:
+        assert [p["type"] for p in payloads] == ["first", "second"]  # no [DONE]: the last event says it is done
