@@ -140,6 +140,21 @@ def test_previous_response_id_continues_the_conversation(client, reference_llm):
     assert second.usage.input_tokens == len(chat_prompt_ids(reference_llm.get_tokenizer(), conversation))
     assert second.output_text == _expected(reference_llm, conversation, 12).text
 
+    # a turn that wrote text and called a tool, continued from its id or sent back as items: the same prompt
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    called = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], temperature=0, max_output_tokens=60,
+                                     extra_body={"structured_outputs": {"regex": r"Let me check\. " + HERMES_CALL}})
+    result = {"type": "function_call_output", "call_id": called.output[1].call_id, "output": "21 degrees"}
+    by_id = client.responses.create(model=MODEL, input=[result], previous_response_id=called.id, tools=[WEATHER],
+                                    temperature=0, max_output_tokens=12)
+    by_items = client.responses.create(model=MODEL, tools=[WEATHER], temperature=0, max_output_tokens=12,
+                                       input=ask + [i.model_dump(exclude_none=True) for i in called.output] + [result])
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens and by_id.output_text == by_items.output_text
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
     unkept = client.responses.create(model=MODEL, input=QUESTION, store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unkept.id)
@@ -157,6 +172,7 @@ def test_previous_response_id_continues_the_conversation(client, reference_llm):
     ({"input": "hi", "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"input": ""}, "input", "empty"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "input_image"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id", "required"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type", "function"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, None, "nope"),
     ({"input": "hi", "tool_choice": "required"}, None, "tool_choice needs tools"),
@@ -169,6 +185,16 @@ def test_what_the_responses_api_cannot_honour_is_a_400_naming_it(gateway, body, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["param"] == param
+
+
+def test_what_asks_for_nothing_is_accepted(gateway):
+    """Fields sent at their defaults (as SDKs and agent frameworks send them) ask for nothing the server refuses."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "background": False, "top_logprobs": 0,
+            "reasoning": {"effort": None, "summary": None}, "include": ["reasoning.encrypted_content"],
+            "parallel_tool_calls": None, "store": None, "stream": None, "truncation": "disabled", "user": "u1"}
+    response = httpx.post(f"{gateway}/v1/responses", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["store"] is True and response.json()["parallel_tool_calls"] is True
 
 
 def test_a_streamed_request_the_engine_refuses_is_a_400_not_a_broken_stream(gateway):
@@ -203,6 +229,8 @@ def test_tokenize_detokenize_and_version(gateway, client, reference_llm):
     assert httpx.get(f"{gateway}/version").status_code == 401
     both = httpx.post(f"{gateway}/tokenize", json={"prompt": "x", "messages": MESSAGES}, headers=AUTH)
     assert both.status_code == 400 and "one of them" in both.json()["error"]["message"]
+    unused = httpx.post(f"{gateway}/tokenize", json={"prompt": "x", "add_generation_prompt": False}, headers=AUTH)
+    assert unused.status_code == 400 and "only with messages" in unused.json()["error"]["message"]
     outside = httpx.post(f"{gateway}/detokenize", json={"tokens": [1, len(tokenizer)]}, headers=AUTH)
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens.1"
     other = httpx.post(f"{gateway}/tokenize", json={"model": "gpt-9", "prompt": "x"}, headers=AUTH)

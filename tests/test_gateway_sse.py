@@ -1,6 +1,6 @@
 """The gateway's one SSE framing (backend/gateway/sse.py) over real HTTP: an endpoint's events as it made them, an
-error met after the 200 as one last in-band event (chat's error body, or the Responses API's `error` event, which
-the openai SDK parses), and the end marker only on a stream that finished."""
+error met after the 200 as in-band events (chat's error body; the Responses API's `error` event and then its
+response.failed), and the end marker only on a stream that finished."""
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +26,8 @@ def _app() -> Starlette:
         return event_stream(_events(request.query_params.get("fail") == "1", json.dumps))
 
     async def typed(request):
-        return typed_event_stream(lambda event: _events(request.query_params.get("fail") == "1", event))
+        return typed_event_stream(lambda event: _events(request.query_params.get("fail") == "1", event),
+                                  lambda error: [{"type": "response.failed", "message": error.message}])
 
     return Starlette(routes=[Route("/chunks", chunks), Route("/typed", typed)])
 
@@ -69,7 +70,8 @@ def test_responses_streams_are_named_numbered_and_fail_with_an_error_event(fail)
     assert [name for name, _ in events] == [p["type"] for p in payloads]  # each event named by its type
     assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
     if fail:
-        assert payloads[-1] == {"type": "error", "code": "500", "message": "the engine went away", "param": None,
-                                "sequence_number": 1}
+        assert payloads[1:] == [{"type": "error", "code": "internal_error", "message": "the engine went away",
+                                 "param": None, "sequence_number": 1},
+                                {"type": "response.failed", "message": "the engine went away", "sequence_number": 2}]
     else:
         assert [p["type"] for p in payloads] == ["first", "second"]  # no [DONE]: the last event says it is done

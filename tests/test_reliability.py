@@ -92,15 +92,23 @@ SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "min_
 CHAT_FIELDS = SAMPLING_FIELDS + ["model", "messages", "stream", "stream_options", "top_logprobs",
                                  "max_completion_tokens"]
 COMPLETION_FIELDS = SAMPLING_FIELDS + ["model", "prompt", "stream", "echo"]
+RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+                    "tool_choice", "parallel_tool_calls", "stream", "store", "previous_response_id", "seed", "top_k",
+                    "structured_outputs", "include", "reasoning"]
+# each endpoint's base body, the fields to mutate, and its token limit (kept, so that a valid body stays short)
 BASES = {
     "/v1/chat/completions": ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
-                             CHAT_FIELDS),
-    "/v1/completions": ({"model": MODEL, "prompt": "Hi", "max_tokens": 4}, COMPLETION_FIELDS),
+                             CHAT_FIELDS, "max_tokens"),
+    "/v1/completions": ({"model": MODEL, "prompt": "Hi", "max_tokens": 4}, COMPLETION_FIELDS, "max_tokens"),
+    "/v1/responses": ({"model": MODEL, "input": "Hi", "max_output_tokens": 4}, RESPONSES_FIELDS, "max_output_tokens"),
+    "/tokenize": ({"model": MODEL, "prompt": "Hi"}, ["model", "prompt", "messages", "add_special_tokens", "tools",
+                                                     "return_token_strs"], None),
+    "/detokenize": ({"model": MODEL, "tokens": [1, 2]}, ["model", "tokens"], None),
 }
 DELETE = object()
 
 
-def _mutated(base: dict, fields: list[str]):
+def _mutated(base: dict, fields: list[str], limit: str | None):
     changes = st.lists(st.tuples(st.sampled_from(fields) | st.text(max_size=8), ODD_VALUES | st.just(DELETE)),
                        min_size=1, max_size=3)
 
@@ -111,8 +119,8 @@ def _mutated(base: dict, fields: list[str]):
                 body.pop(key, None)
             else:
                 body[key] = value
-        if body.get("max_tokens") is None:  # no limit would be valid, and run to max_model_len
-            body["max_tokens"] = 4
+        if limit is not None and body.get(limit) is None:  # no limit would be valid, and run to max_model_len
+            body[limit] = 4
         return body
 
     return changes.map(apply)
@@ -128,11 +136,11 @@ RAW_BODIES = [
     b'{"model": "' + b"x" * 300_000 + b'"}',  # over the test gateway's --max-body-bytes: 413
 ]
 gateway_request = st.one_of(
-    *(st.tuples(st.just(path), _mutated(base, fields).map(_body_bytes)) for path, (base, fields) in BASES.items()),
+    *(st.tuples(st.just(path), _mutated(*spec).map(_body_bytes)) for path, spec in BASES.items()),
     st.tuples(st.sampled_from(list(BASES)), st.sampled_from(RAW_BODIES) | st.binary(max_size=64)),
 )
 # text_input stays a string: Triton's own HTTP frontend (not our model) answers 500 to a non-string one.
-triton_request = st.tuples(st.text(max_size=20), _mutated({"max_tokens": 4, "temperature": 0}, SAMPLING_FIELDS))
+triton_request = st.tuples(st.text(max_size=20), _mutated({"max_tokens": 4, "temperature": 0}, SAMPLING_FIELDS, "max_tokens"))
 
 
 def _check_gateway(gateway: str, path: str, data: bytes) -> None:

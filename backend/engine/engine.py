@@ -32,7 +32,7 @@ from backend.engine.runner import ModelRunner, PromptScoring, SequenceChunk
 from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.structured_outputs import StructuredOutputs
-from backend.engine.tokenizer import eos_token_ids, load_tokenizer
+from backend.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from backend.models.llama import check_model
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
@@ -197,10 +197,7 @@ class LLMEngine:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
-            # A prompt rendered by a chat template carries its own BOS: don't add a second one.
-            bos = self.tokenizer.bos_token
-            special = not (bos and prompt.startswith(bos))
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=special) if prompt else []
+            return prompt, encode_prompt(self.tokenizer, prompt)
         return None, _token_ids(prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:

@@ -26,6 +26,13 @@ def load_template_tokenizer(name_or_path: str | Path):
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A text prompt's ids as the engine takes them: with the tokenizer's special tokens, unless the text already
+    starts with its BOS (a chat template's rendering carries its own: no second one)."""
+    bos = tokenizer.bos_token
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos))) if text else []
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation through the tokenizer's own chat template."""
     if not getattr(tokenizer, "chat_template", None):

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API (starlette + sse-starlette) in front of Triton: the settings, and the app put together
-from its routes (backend/gateway/routes.py), its middleware (the API key, request metrics, CORS) and the one place
-where an error becomes a response.
+from its routes (backend/gateway/routes.py), its middleware (the API key, request metrics, CORS) and the handlers
+that turn a route's errors into OpenAI's error responses (backend/gateway/errors.py builds them all).
 
 Each request becomes one Triton gRPC stream (backend/gateway/serving.py). A client that disconnects, streaming or
 not, cancels the Triton stream, and with it the engine request and its KV blocks. The endpoints: serving_chat.py,
@@ -61,6 +61,11 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
     return response
 
 
+async def _unexpected(request: Request, error: Exception) -> Response:
+    """A bug, not a bad request: still OpenAI's shape (the traceback goes to the log, as Starlette's own does)."""
+    return ApiError(500, f"internal error: {error!r}", "internal_error").response()
+
+
 async def _client_left(request: Request, error: ClientDisconnect) -> Response:
     return Response(status_code=499)  # (nginx's "client closed request": only the request metrics see it)
 
@@ -90,6 +95,6 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key))
     app = Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error,
-                                        ClientDisconnect: _client_left})
+                                        ClientDisconnect: _client_left, Exception: _unexpected})
     app.state.settings, app.state.serving, app.state.response_store = settings, serving, ResponseStore()
     return app

@@ -20,8 +20,15 @@ class ApiError(Exception):
 
     @classmethod
     def of(cls, error: Exception) -> "ApiError":
-        """Any failure as the error a client is told of (one met after the answer began has no better status)."""
-        return error if isinstance(error, ApiError) else cls(500, str(error), "internal_error")
+        """Any failure as the error a client is told of: the Triton client's as their HTTP errors, anything else a
+        500."""
+        if isinstance(error, ApiError):
+            return error
+        if isinstance(error, InvalidRequest):
+            return cls(400, str(error))
+        if isinstance(error, TritonUnavailable):
+            return cls(503, str(error), "service_unavailable")
+        return cls(500, str(error), "internal_error")
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.status, self.param)
@@ -35,9 +42,5 @@ def triton_errors():
     """Failures reported by the Triton client, as the gateway's HTTP errors."""
     try:
         yield
-    except InvalidRequest as e:
-        raise ApiError(400, str(e)) from None
-    except TritonUnavailable as e:
-        raise ApiError(503, str(e), "service_unavailable") from None
-    except RuntimeError as e:
-        raise ApiError(500, str(e), "internal_error") from None
+    except (InvalidRequest, RuntimeError) as e:  # (TritonUnavailable is a RuntimeError)
+        raise ApiError.of(e) from None

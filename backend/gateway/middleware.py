@@ -5,6 +5,8 @@ from __future__ import annotations
 import secrets
 import time
 
+from starlette.routing import get_route_path
+
 from backend.gateway.errors import ApiError
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe needs no key
@@ -17,7 +19,7 @@ class ApiKeyMiddleware:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and get_route_path(scope) not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = ApiError(401, "invalid or missing API key", "authentication_error").response()
@@ -33,11 +35,13 @@ class RequestMetricsMiddleware:
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
 
     async def __call__(self, scope, receive, send):
-        endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is None:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = time.perf_counter()
         scope.setdefault("state", {})["started"] = started
+        endpoint = self.endpoints.get(get_route_path(scope))
+        if endpoint is None:
+            return await self.app(scope, receive, send)
         status = None
 
         async def sending(message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
 from backend.engine.sampling_params import INT64_MAX, INT64_MIN, StructuredOutputsParams
 from backend.gateway.protocol import (
@@ -18,35 +18,53 @@ from backend.gateway.protocol import (
     Tool,
 )
 
-# Fields of the Responses API this server does not honour: refused by name (400), never silently dropped.
+# Fields of the Responses API this server does not honour: refused by name (400), never silently dropped. A field
+# sent with its default (null, false, 0, empty) asks for nothing, and is accepted.
 UNSUPPORTED = {
     "background": "background responses are not supported",
     "conversation": "conversations are not supported; send previous_response_id or the whole input",
     "prompt": "prompt templates are not supported",
-    "include": "include is not supported",
+    "include": "include is not supported (but for reasoning.encrypted_content: reasoning items come as text)",
     "top_logprobs": "top_logprobs is not supported on the Responses API; use chat completions' logprobs",
     "max_tool_calls": "max_tool_calls is not supported",
     "reasoning": "reasoning settings are not supported; a thinking model's own switch is its chat template's "
                  "(Qwen3's enable_thinking, through chat completions' chat_template_kwargs)",
     "prompt_cache_retention": "prompt_cache_retention is not supported",
 }
-# What changes nothing about the output: accepted, and metadata is given back.
-METADATA = frozenset({"user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
+# Asks for encrypted reasoning, to send back with store false: reasoning items sent back are not shown to the model
+# again anyway, so there is nothing to encrypt.
+HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
+# What changes nothing about the output: accepted and dropped.
+IGNORED = frozenset({"user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 
 
-class InputText(OpenAIModel):
+def _asks_for_something(value) -> bool:
+    if isinstance(value, dict):
+        return any(_asks_for_something(v) for v in value.values())
+    return bool(value)
+
+
+class ContentText(OpenAIModel):
+    """A text part of a message: the user's input_text, or an earlier answer's output_text sent back."""
+
     type: Literal["input_text", "output_text"]
     text: str
+
+
+class Refusal(OpenAIModel):
+    """An earlier answer's refusal part, sent back: it is not text the model wrote to continue from."""
+
+    type: Literal["refusal"]
+
+
+def _joined(content: str | list) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, ContentText))
 
 
 class MessageItem(OpenAIModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    content: str | list[ContentText | Refusal]
 
 
 class FunctionCallItem(OpenAIModel):
@@ -59,7 +77,7 @@ class FunctionCallItem(OpenAIModel):
 class FunctionCallOutputItem(OpenAIModel):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[ContentText]
 
 
 class ReasoningItem(OpenAIModel):
@@ -68,19 +86,41 @@ class ReasoningItem(OpenAIModel):
     type: Literal["reasoning"]
 
 
-ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
-              "reasoning": ReasoningItem}
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def _item_type(item) -> str | None:
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
+# (the tags name no field: "-" keeps them out of an error's parameter, backend/gateway/request_body.py)
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_type),
+    Annotated[MessageItem, Tag("item-message")] | Annotated[FunctionCallItem, Tag("item-function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("item-function_call_output")]
+    | Annotated[ReasoningItem, Tag("item-reasoning")],
+    Discriminator(lambda item: f"item-{_item_type(item)}"),
 ]
+INPUT_ITEMS = TypeAdapter(list[InputItem])
+
+
+def as_messages(items: list) -> list[dict]:
+    """Input items (or a response's output items, which have the same shapes) as chat messages: a turn's text and
+    the calls it made are one assistant message, as the model wrote them."""
+    messages = []
+    for item in INPUT_ITEMS.validate_python(items) if items and isinstance(items[0], dict) else items:
+        if isinstance(item, MessageItem):
+            if item.role == "assistant" and messages and messages[-1]["role"] == "assistant":
+                messages[-1]["content"] = (messages[-1]["content"] or "") + _joined(item.content)
+            else:
+                messages.append({"role": item.role, "content": _joined(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _joined(item.output)})
+    return messages
 
 
 class FunctionTool(OpenAIModel):
@@ -144,9 +184,9 @@ class ResponsesRequest(OpenAIModel):
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool = True
-    stream: bool = False
-    store: bool = True  # kept for previous_response_id (backend/gateway/response_store.py), as OpenAI's default
+    parallel_tool_calls: bool | None = None  # (none: true)
+    stream: bool | None = None
+    store: bool | None = None  # kept for previous_response_id (backend/gateway/response_store.py); none: true
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["disabled"] | None = None  # ("auto" would drop input the client sent)
@@ -161,9 +201,12 @@ class ResponsesRequest(OpenAIModel):
         if not isinstance(data, dict):
             return data
         for name, why in UNSUPPORTED.items():
-            if data.get(name) not in (None, {}, []):
+            value = data.get(name)
+            if name == "include" and isinstance(value, list) and set(value) <= HARMLESS_INCLUDES:
+                continue
+            if _asks_for_something(value):
                 raise ValueError(why)
-        return {key: value for key, value in data.items() if key not in METADATA and key not in UNSUPPORTED}
+        return {key: value for key, value in data.items() if key not in IGNORED and key not in UNSUPPORTED}
 
     @field_validator("input", mode="before")
     @classmethod
@@ -186,22 +229,9 @@ class ResponsesRequest(OpenAIModel):
         return self
 
     def input_messages(self) -> list[dict]:
-        """This request's input as chat messages (OpenAI's shape), without the instructions: what a later response
-        continues from, with its own output."""
-        messages = []
-        for item in self.input:
-            if isinstance(item, MessageItem):
-                messages.append({"role": item.role, "content": item.text})
-            elif isinstance(item, FunctionCallItem):  # the calls of one turn go into one assistant message
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
-                if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                    messages[-1]["tool_calls"].append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            elif isinstance(item, FunctionCallOutputItem):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-        return messages
+        """This request's input as chat messages, without the instructions: what a later response continues from,
+        with its own output."""
+        return as_messages(self.input)
 
     def as_chat(self, history: list[dict]) -> dict:
         """The chat request this response is (to validate as one): `history`, an earlier response's messages, before
@@ -214,7 +244,7 @@ class ResponsesRequest(OpenAIModel):
             "model": self.model, "messages": system + history + self.input_messages(),
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "tools": [t.as_chat_tool() for t in self.tools] if self.tools else None, "tool_choice": choice,
-            "parallel_tool_calls": self.parallel_tool_calls, "stream": self.stream, "seed": self.seed,
+            "parallel_tool_calls": self.parallel_tool_calls is not False, "seed": self.seed,
             "top_k": self.top_k, "structured_outputs": self.structured_outputs,
             "response_format": self.text.format.as_response_format() if self.text and self.text.format else None,
         }

@@ -15,13 +15,14 @@ class UtilityRequest(OpenAIModel):
 
 
 class TokenizeRequest(UtilityRequest):
-    """Either `prompt` (with the tokenizer's special tokens unless add_special_tokens is false) or `messages` (the
-    chat template's text, which carries its own special tokens)."""
+    """Either `prompt` or `messages` (through the chat template, with tools and its variables). Unless
+    add_special_tokens says otherwise, the text is encoded as the engine encodes a prompt (special tokens added,
+    but no second BOS where the text starts with one), so `count` is what a completion's prompt_tokens would be."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's defaults)
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None  # (none: true)
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
@@ -30,6 +31,10 @@ class TokenizeRequest(UtilityRequest):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give prompt or messages, one of them")
+        chat_only = [name for name in ("tools", "chat_template_kwargs", "add_generation_prompt")
+                     if getattr(self, name) is not None]
+        if self.prompt is not None and chat_only:
+            raise ValueError(f"{', '.join(chat_only)}: only with messages (they go to the chat template)")
         reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ValueError(f"chat_template_kwargs: the server sets {', '.join(reserved)} itself")

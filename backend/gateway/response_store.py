@@ -1,5 +1,6 @@
-"""The responses kept for `previous_response_id` and `GET /v1/responses/{id}`: in this gateway's memory, the newest
-MAX_RESPONSES, each for TTL_S seconds (a restart forgets them, as a client of a stateless server expects)."""
+"""The responses kept for `previous_response_id` and `GET /v1/responses/{id}`: in this gateway process's memory, the
+newest MAX_RESPONSES, each for TTL_S seconds. A restart forgets them, and another gateway process does not see them:
+behind a load balancer, pin a conversation to one gateway (or send the whole input each time)."""
 from __future__ import annotations
 
 import time
@@ -33,3 +34,7 @@ class ResponseStore:
             del self._kept[response_id]
             return None
         return kept
+
+    def forget(self, response_id: str) -> bool:
+        """Whether it was kept (and now is not)."""
+        return self._kept.pop(response_id, None) is not None

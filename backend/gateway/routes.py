@@ -70,7 +70,10 @@ async def responses(request: Request) -> Response:
 
 
 async def kept_response(request: Request) -> Response:
-    return serving_responses.retrieve(request.app.state.response_store, request.path_params["response_id"])
+    store, response_id = request.app.state.response_store, request.path_params["response_id"]
+    if request.method == "DELETE":
+        return serving_responses.forget(store, response_id)
+    return serving_responses.retrieve(store, response_id)
 
 
 async def tokenize(request: Request) -> Response:
@@ -113,7 +116,7 @@ ROUTES = [
     Route("/v1/chat/completions", chat, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
-    Route("/v1/responses/{response_id}", kept_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", kept_response, methods=["GET", "DELETE"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/version", version, methods=["GET"]),

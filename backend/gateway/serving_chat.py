@@ -23,8 +23,8 @@ from backend.gateway.responses import (
     completion_id,
     now,
 )
-from backend.gateway.reasoning import ReasoningSplit, reasoning_split
 from backend.gateway.errors import ApiError
+from backend.gateway.reasoning import ReasoningSplit, reasoning_split
 from backend.gateway.serving import Serving, Totals
 from backend.gateway.sse import event_stream
 from backend.gateway.tools import ToolDeltas, constraint_for, render_prompt
@@ -134,7 +134,7 @@ def _message(parts: list[dict]) -> AssistantMessage:
 
 
 def choice_deltas(serving: Serving, req: ChatCompletionRequest, prompt: str,
-                   constraint: StructuredOutputsParams | None) -> ChoiceDeltas:
+                  constraint: StructuredOutputsParams | None) -> ChoiceDeltas:
     tools = ToolDeltas(req.tool_mode, serving.tool_call_parser, {t.function.name for t in req.tools or []},
                        req.parallel_tool_calls)
     if serving.reasoning_parser is None:

@@ -1,6 +1,6 @@
 """POST /v1/responses (OpenAI's Responses API): served as the chat request it amounts to
 (backend/gateway/protocol_responses.py), its chat deltas (reasoning, text, tool calls) made into the Responses API's
-output items, whole or as its stream of typed events. GET /v1/responses/{id}: a kept response."""
+output items, whole or as its stream of typed events. GET and DELETE /v1/responses/{id}: a kept response."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from backend.gateway import serving_chat
 from backend.gateway.errors import ApiError
 from backend.gateway.protocol import ChatCompletionRequest
-from backend.gateway.protocol_responses import ResponsesRequest
+from backend.gateway.protocol_responses import ResponsesRequest, as_messages
 from backend.gateway.request_body import validate
 from backend.gateway.response_store import ResponseStore
 from backend.gateway.serving import Serving, Totals
@@ -31,22 +31,32 @@ async def answer(serving: Serving, store: ResponseStore, req: ResponsesRequest, 
         kept = store.get(req.previous_response_id)
         if kept is None:
             raise ApiError(400, f"previous_response_id: no response {req.previous_response_id!r} is kept here (they "
-                                "are kept in memory, for a while)", param="previous_response_id")
+                                "are kept in this gateway's memory, for a while)", param="previous_response_id")
         history = kept.messages
     chat = validate(ChatCompletionRequest, req.as_chat(history))
     prompt, constraint = serving_chat.prepare(serving, chat)
     rid = _id("resp")
     chunk, responses = await serving.start("responses", started, prompt, chat.engine_parameters(constraint),
-                                           req.stream, False, rid)
+                                           bool(req.stream), False, rid)
     deltas = serving_chat.choice_deltas(serving, chat, prompt, constraint)
-    answered = Answered(serving, store, req, rid, history + req.input_messages())
-    if req.stream:
-        return typed_event_stream(lambda event: _events(answered, deltas, chunk, responses, event))
-    whole = await serving.gather(chunk, responses, 1)
+    answered = Answered(serving, store, req, rid, history)
     output = OutputItems()
+    if req.stream:
+        totals = Totals()
+
+        def failed(error: ApiError) -> list[dict]:
+            return [{"type": "response.failed", "response": answered.response(
+                output.items, "failed", totals.prompt, totals.completion, error)}]
+
+        return typed_event_stream(lambda event: _events(answered, deltas, output, totals, chunk, responses, event),
+                                  failed)
+    whole = await serving.gather(chunk, responses, 1)
     output.feed(deltas.feed(whole.texts[0]) + deltas.finish())
-    output.finish(whole.reasons[0])
-    return JSONResponse(answered.response(output.items, whole.reasons[0], whole.num_input_tokens, whole.counts[0]))
+    status = _status(whole.reasons[0])
+    output.finish(status)
+    response = answered.response(output.items, status, whole.num_input_tokens, whole.counts[0])
+    answered.keep(response)
+    return JSONResponse(response)
 
 
 def retrieve(store: ResponseStore, response_id: str) -> Response:
@@ -56,68 +66,73 @@ def retrieve(store: ResponseStore, response_id: str) -> Response:
     return JSONResponse(kept.response)
 
 
-async def _events(answered: Answered, deltas: serving_chat.ChoiceDeltas, chunk, responses,
-                  event: Callable[[dict], ServerSentEvent]) -> AsyncIterator[ServerSentEvent]:
-    started = answered.response([], None, 0, 0)
+def forget(store: ResponseStore, response_id: str) -> Response:
+    if not store.forget(response_id):
+        raise ApiError(404, f"no response {response_id!r} is kept here", "not_found_error")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _status(reason: str | None) -> str:
+    """A finished response's status from the engine's finish reason: cut at max_output_tokens is incomplete; aborted
+    (the engine stopping), or a stream that ended without one, failed."""
+    return {"stop": "completed", "length": "incomplete"}.get(reason, "failed")
+
+
+async def _events(answered: Answered, deltas: serving_chat.ChoiceDeltas, output: OutputItems, totals: Totals, chunk,
+                  responses, event: Callable[[dict], ServerSentEvent]) -> AsyncIterator[ServerSentEvent]:
+    started = answered.response([], "in_progress", 0, 0)
     yield event({"type": "response.created", "response": started})
     yield event({"type": "response.in_progress", "response": started})
-    output, totals, reason = OutputItems(), Totals(), None
+    reason = None
     async for c in answered.serving.relay(chunk, responses, totals):
         reason = c.finish_reasons[0]
         for payload in output.feed(deltas.feed(c.texts[0]) + (deltas.finish() if reason else [])):
             yield event(payload)
-    for payload in output.finish(reason):
+    status = _status(reason)
+    for payload in output.finish(status):
         yield event(payload)
-    final = answered.response(output.items, reason, totals.prompt, totals.completion)
-    yield event({"type": f"response.{final['status']}", "response": final})
+    final = answered.response(output.items, status, totals.prompt, totals.completion)
+    answered.keep(final)
+    yield event({"type": f"response.{status}", "response": final})
 
 
 class Answered:
-    """What a response says beside its output (the request's settings, echoed), and keeping it when asked."""
+    """What a response says beside its output (its id and time, the request's settings, echoed), and keeping it."""
 
-    def __init__(self, serving: Serving, store: ResponseStore, req: ResponsesRequest, rid: str, messages: list[dict]):
-        self.serving, self.store, self.req, self.rid, self.messages = serving, store, req, rid, messages
+    def __init__(self, serving: Serving, store: ResponseStore, req: ResponsesRequest, rid: str, history: list[dict]):
+        self.serving, self.store, self.req, self.rid, self.history = serving, store, req, rid, history
         self.created = time.time()
 
-    def response(self, items: list[dict], reason: str | None, input_tokens: int, output_tokens: int) -> dict:
-        """The response object: in progress while `reason` is None, else completed (or incomplete, at
-        max_output_tokens), and then kept if the request said store."""
+    def keep(self, response: dict) -> None:
+        """Keep a finished response for previous_response_id, unless the request said store false or it failed."""
+        if self.req.store is not False and response["status"] != "failed":
+            self.store.keep(response, self.history + self.req.input_messages() + as_messages(response["output"]))
+
+    def response(self, items: list[dict], status: str, input_tokens: int, output_tokens: int,
+                 error: ApiError | None = None) -> dict:
         req = self.req
-        status = "in_progress" if reason is None else "incomplete" if reason == "length" else "completed"
         reasoning = "".join(part["text"] for item in items if item["type"] == "reasoning" for part in item["content"])
+        # (the reasoning text re-encoded: its think tags are not counted)
         reasoning_tokens = len(self.serving.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
-        response = {
+        return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status, "model": req.model,
-            "output": items, "error": None,
+            "output": items,
+            "error": None if error is None else {"code": "server_error", "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": tool_choice or "auto", "tools": [t.model_dump() for t in req.tools or []],
             "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
             if req.text and req.text.format else {"format": {"type": "text"}},
-            "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
-            "truncation": "disabled", "reasoning": None,
-            "usage": None if reason is None else {
-                "input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "previous_response_id": req.previous_response_id, "store": req.store is not False,
+            "metadata": req.metadata or {}, "truncation": "disabled", "reasoning": None,
+            "usage": None if status == "in_progress" else {
+                "input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": input_tokens + output_tokens},
         }
-        if reason is not None and req.store:
-            self.store.keep(response, self.messages + _as_messages(items))
-        return response
-
-
-def _as_messages(items: list[dict]) -> list[dict]:
-    """A response's output as the chat messages a later turn continues from (its reasoning left out)."""
-    text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
-    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
-                                                                      "arguments": item["arguments"]}}
-             for item in items if item["type"] == "function_call"]
-    message = {"role": "assistant", "content": text or None}
-    if calls:
-        message["tool_calls"] = calls
-    return [message] if text or calls else []
 
 
 class OutputItems:
@@ -141,9 +156,9 @@ class OutputItems:
                 events += self._call(call)
         return events
 
-    def finish(self, reason: str | None) -> list[dict]:
-        """The last item done: incomplete when the output was cut at max_output_tokens."""
-        return self._close("incomplete" if reason == "length" else "completed")
+    def finish(self, status: str) -> list[dict]:
+        """The last item done, with the response's status (incomplete when cut at max_output_tokens)."""
+        return self._close("completed" if status == "completed" else "incomplete")
 
     def _text(self, kind: str, text: str) -> list[dict]:
         events = [] if self._is_open(kind) else self._close() + self._open_text(kind)

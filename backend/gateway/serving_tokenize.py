@@ -1,9 +1,11 @@
 """POST /tokenize and /detokenize, as vLLM's server answers them: the served tokenizer, and for messages the same
-chat template (and tools) a chat completion would render, so `count` is the prompt_tokens it would use."""
+chat template (and tools) a chat completion would render, encoded as the engine encodes it, so `count` is the
+prompt_tokens it would use."""
 from __future__ import annotations
 
 from starlette.responses import JSONResponse, Response
 
+from backend.engine.tokenizer import encode_prompt
 from backend.gateway.errors import ApiError, triton_errors
 from backend.gateway.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from backend.gateway.serving import Serving
@@ -15,12 +17,16 @@ async def tokenize(serving: Serving, req: TokenizeRequest) -> Response:
     if req.messages is not None:
         try:
             text = render_prompt(tokenizer, [m.for_template() for m in req.messages], req.tools,
-                                 req.chat_template_kwargs, req.add_generation_prompt)
+                                 req.chat_template_kwargs, req.add_generation_prompt is not False)
         except Exception as e:  # the template itself rejects the conversation
             raise ApiError(400, f"messages: {e}", param="messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
-        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        text = req.prompt
+    # unless asked otherwise, the ids the engine would make of this text (what prompt_tokens counts)
+    if req.add_special_tokens is None:
+        ids = encode_prompt(tokenizer, text)
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": await _max_model_len(serving), "tokens": ids,
                          "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None})
 

@@ -12,13 +12,13 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 from backend.gateway.errors import ApiError
 
 
-def chunk_error(error: ApiError) -> str:
+def chunk_error(error: ApiError) -> list[str]:
     """The chat and completions streams' error event: OpenAI's error body as the data."""
-    return json.dumps(error.body())
+    return [json.dumps(error.body())]
 
 
 def event_stream(events: AsyncIterator[str | ServerSentEvent], *,
-                 error_event: Callable[[ApiError], str | ServerSentEvent] = chunk_error,
+                 error_events: Callable[[ApiError], list[str | ServerSentEvent]] = chunk_error,
                  done: str | None = "[DONE]") -> EventSourceResponse:
     """A streamed answer. `done` ends a stream that finished (chat and completions end with [DONE]; the Responses
     API's last event says so itself)."""
@@ -27,7 +27,8 @@ def event_stream(events: AsyncIterator[str | ServerSentEvent], *,
             async for event in events:
                 yield event
         except Exception as e:  # after the 200: tell the client in-band, then end the stream
-            yield error_event(ApiError.of(e))
+            for event in error_events(ApiError.of(e)):
+                yield event
             return
         if done is not None:
             yield done
@@ -35,17 +36,18 @@ def event_stream(events: AsyncIterator[str | ServerSentEvent], *,
     return EventSourceResponse(framed())
 
 
-def typed_event_stream(events: Callable[[Callable[[dict], ServerSentEvent]], AsyncIterator[ServerSentEvent]]
-                       ) -> EventSourceResponse:
+def typed_event_stream(events: Callable[[Callable[[dict], ServerSentEvent]], AsyncIterator[ServerSentEvent]],
+                       failed: Callable[[ApiError], list[dict]]) -> EventSourceResponse:
     """The Responses API's stream: `events(event)` makes its events with `event(payload)`, which names each by its
-    type and numbers it (`sequence_number`, one sequence per stream). An error is an `error` event; the last event
-    (response.completed) says the stream is done, so there is no end marker."""
+    type and numbers it (`sequence_number`, one sequence per stream). An error is an `error` event, then the
+    `failed(error)` events (response.failed); the last event says the stream is done, so there is no end marker."""
     sequence = itertools.count()
 
     def event(payload: dict) -> ServerSentEvent:
         return ServerSentEvent(data=json.dumps({**payload, "sequence_number": next(sequence)}), event=payload["type"])
 
-    def error_event(error: ApiError) -> ServerSentEvent:
-        return event({"type": "error", "code": str(error.status), "message": error.message, "param": error.param})
+    def error_events(error: ApiError) -> list[ServerSentEvent]:
+        return [event({"type": "error", "code": error.type, "message": error.message, "param": error.param}),
+                *map(event, failed(error))]
 
-    return event_stream(events(event), error_event=error_event, done=None)
+    return event_stream(events(event), error_events=error_events, done=None)

@@ -227,7 +227,7 @@ class TritonPythonModel:
         except (ValueError, RuntimeError) as e:  # profiling off, or not in the state the action needs
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
-        if action != "engine_info":  # (asked for by every /tokenize: not worth a line each time)
+        if action != "engine_info":  # (a lookup, not worth a line)
             self.logger.log_info(f"[npu-llm] {action} done")
         self._queue_response(sender, {"text_output": np.array([json.dumps(result).encode()], dtype=np.object_)}, True)
 
