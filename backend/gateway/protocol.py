@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -31,6 +32,16 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs", "sanitize_control_tokens",
 })
+
+
+def without_refused(data: dict, unsupported: dict[str, str], dropped: frozenset[str],
+                    asks: Callable[[str, Any], bool]) -> dict:
+    """A request's top level with the fields it may not use: each of `unsupported` that `asks` for something is
+    refused (ValueError, with its reason); those that ask for nothing, and the `dropped` ones, are left out."""
+    for name, why in unsupported.items():
+        if asks(name, data.get(name)):
+            raise ValueError(why)
+    return {key: value for key, value in data.items() if key not in dropped and key not in unsupported}
 
 
 class OpenAIModel(BaseModel):
@@ -105,15 +116,12 @@ class SamplingFields(OpenAIModel):
     def _refuse_unsupported(cls, data):
         if not isinstance(data, dict):
             return data
-        for name, why in UNSUPPORTED.items():
-            value = data.get(name)
-            if value not in (None, {}, []) and not (name == "best_of" and value == 1):  # (empty: nothing asked)
-                raise ValueError(why)
+        kept = without_refused(data, UNSUPPORTED, METADATA | {"modalities"},  # (empty: nothing asked)
+                               lambda name, value: value not in (None, {}, []) and not (name == "best_of" and value == 1))
         if data.get("modalities") not in (None, ["text"]):
             raise ValueError("modalities: only [\"text\"] is supported")
         # what is left of them asks for nothing (null, empty, best_of 1, text): no field of the request's
-        return {key: value for key, value in data.items()
-                if key not in METADATA and key not in UNSUPPORTED and key != "modalities"}
+        return kept
 
     @model_validator(mode="after")
     def _one_constraint(self):

@@ -16,6 +16,7 @@ from backend.gateway.protocol import (
     OpenAIModel,
     ResponseFormat,
     Tool,
+    without_refused,
 )
 
 # Fields of the Responses API this server does not honour: refused by name (400), never silently dropped. A field
@@ -38,9 +39,11 @@ HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
 IGNORED = frozenset({"user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 
 
-def _asks_for_something(value) -> bool:
+def _asks_for_something(name: str, value) -> bool:
+    if name == "include" and isinstance(value, list) and set(value) <= HARMLESS_INCLUDES:
+        return False
     if isinstance(value, dict):
-        return any(_asks_for_something(v) for v in value.values())
+        return any(_asks_for_something(name, v) for v in value.values())
     return bool(value)
 
 
@@ -107,7 +110,7 @@ def as_messages(items: list) -> list[dict]:
     """Input items (or a response's output items, which have the same shapes) as chat messages: a turn's text and
     the calls it made are one assistant message, as the model wrote them."""
     messages = []
-    for item in INPUT_ITEMS.validate_python(items) if items and isinstance(items[0], dict) else items:
+    for item in INPUT_ITEMS.validate_python(items):  # (items already validated are taken as they are)
         if isinstance(item, MessageItem):
             if item.role == "assistant" and messages and messages[-1]["role"] == "assistant":
                 messages[-1]["content"] = (messages[-1]["content"] or "") + _joined(item.content)
@@ -200,13 +203,7 @@ class ResponsesRequest(OpenAIModel):
     def _refuse_unsupported(cls, data):
         if not isinstance(data, dict):
             return data
-        for name, why in UNSUPPORTED.items():
-            value = data.get(name)
-            if name == "include" and isinstance(value, list) and set(value) <= HARMLESS_INCLUDES:
-                continue
-            if _asks_for_something(value):
-                raise ValueError(why)
-        return {key: value for key, value in data.items() if key not in IGNORED and key not in UNSUPPORTED}
+        return without_refused(data, UNSUPPORTED, IGNORED, _asks_for_something)
 
     @field_validator("input", mode="before")
     @classmethod

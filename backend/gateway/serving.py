@@ -73,12 +73,11 @@ class Serving:
     async def relay(chunk: Chunk, responses, totals: Totals | None = None) -> AsyncIterator[Chunk]:
         """The chunks of a started request, the first included, to its final one (counted into `totals`); the
         Triton stream is closed however the reading ends."""
-        if totals is not None:
-            totals.prompt = chunk.num_input_tokens or 0
+        totals = totals if totals is not None else Totals()
+        totals.prompt = chunk.num_input_tokens or 0
         try:
             while True:
-                if totals is not None:
-                    totals.completion += sum(chunk.num_new_tokens)
+                totals.completion += sum(chunk.num_new_tokens)
                 yield chunk
                 if chunk.final:
                     return

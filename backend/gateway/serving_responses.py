@@ -135,6 +135,10 @@ class Answered:
         }
 
 
+# a text item's events (.delta, .done) and what they carry beside the text
+TEXT_EVENTS = {"message": ("response.output_text", {"logprobs": []}), "reasoning": ("response.reasoning_text", {})}
+
+
 class OutputItems:
     """A response's output items, built from chat deltas (backend/gateway/serving_chat.py ChoiceDeltas) as they come:
     a reasoning item, a message, function calls, each opened when its first delta arrives and done when another
@@ -164,9 +168,8 @@ class OutputItems:
         events = [] if self._is_open(kind) else self._close() + self._open_text(kind)
         item, index = self._open, len(self.items) - 1
         item["content"][0]["text"] += text
-        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
-        return events + [{"type": delta, "item_id": item["id"], "output_index": index, "content_index": 0,
+        event, extra = TEXT_EVENTS[kind]
+        return events + [{"type": f"{event}.delta", "item_id": item["id"], "output_index": index, "content_index": 0,
                           "delta": text, **extra}]
 
     def _call(self, call: dict) -> list[dict]:
@@ -212,9 +215,8 @@ class OutputItems:
                            "arguments": item["arguments"]})
         else:
             part = item["content"][0]
-            done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
-            events.append({"type": done, **where, "content_index": 0, "text": part["text"], **extra})
+            event, extra = TEXT_EVENTS[item["type"]]
+            events.append({"type": f"{event}.done", **where, "content_index": 0, "text": part["text"], **extra})
             events.append({"type": "response.content_part.done", **where, "content_index": 0,
                            "part": copy.deepcopy(part)})
         item["status"] = status
