@@ -131,10 +131,14 @@ class ChatBackend:
         return panel, self.throughput()
 
     def throughput(self) -> pd.DataFrame:
-        points, now = list(self.samples), time.time()
-        rows = [{"seconds ago": round(now - t1, 1), "tokens/s": (v1 - v0) / (t1 - t0)}
-                for (t0, v0), (t1, v1) in zip(points, points[1:]) if t1 > t0]
-        return pd.DataFrame(rows, columns=["seconds ago", "tokens/s"])
+        """Generation tokens/s between successive samples, at clock time. The columns are typed even when empty:
+        Gradio's plot picks each axis's scale from its column's dtype, and an untyped (object) column is drawn
+        as categories, which put the raw floats on the axis in the order they came."""
+        points = list(self.samples)
+        pairs = [(t1, (v1 - v0) / (t1 - t0)) for (t0, v0), (t1, v1) in zip(points, points[1:]) if t1 > t0]
+        return pd.DataFrame({
+            "time": pd.to_datetime([t for t, _ in pairs], unit="s", utc=True).tz_convert(None),
+            "tokens/s": pd.Series([rate for _, rate in pairs], dtype="float64")})
 
 
 def _output_options(json_mode: bool, schema: str, tools: str, tool_choice: str) -> dict:
@@ -263,8 +267,9 @@ def build_app(settings: UISettings) -> gr.Blocks:
                 tools = gr.Textbox(label="Tools (OpenAI tools list, optional)", lines=3, elem_id="tools",
                                    placeholder='[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
                 tool_choice = gr.Radio(["auto", "required"], value="auto", label="Tool choice", elem_id="tool-choice")
-                plot = gr.LinePlot(x="seconds ago", y="tokens/s", title="Generation throughput (last 5 min)",
-                                   height=220, sort="x")
+                plot = gr.LinePlot(x="time", y="tokens/s", title="Generation throughput (last 5 min)",
+                                   x_title="time", y_title="tokens/s", y_lim=[0, None], y_axis_format="~s",
+                                   height=220, elem_id="throughput-plot")
 
         settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice]
         events = [
