@@ -6,7 +6,7 @@ import time
 
 import gradio as gr
 
-from ui.chat import ChatBackend, UISettings
+from ui.chat import ChatBackend, UISettings, build_app
 
 
 def _plot(app: gr.Blocks) -> gr.LinePlot:
@@ -14,8 +14,6 @@ def _plot(app: gr.Blocks) -> gr.LinePlot:
 
 
 def test_throughput_is_temporal_against_quantitative_from_zero():
-    from ui.chat import build_app
-
     plot = _plot(build_app(UISettings()))
     assert plot.y_lim == [0, None] and plot.sort is None
     backend = ChatBackend(UISettings())

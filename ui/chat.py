@@ -268,7 +268,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
                                    placeholder='[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
                 tool_choice = gr.Radio(["auto", "required"], value="auto", label="Tool choice", elem_id="tool-choice")
                 plot = gr.LinePlot(x="time", y="tokens/s", title="Generation throughput (last 5 min)",
-                                   x_title="time", y_title="tokens/s", y_lim=[0, None], y_axis_format="~s",
+                                   y_lim=[0, None], y_axis_format="~s",
                                    height=220, elem_id="throughput-plot")
 
         settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice]
