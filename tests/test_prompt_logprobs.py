@@ -13,7 +13,7 @@ from tests.conftest import hf_model
 pytestmark = pytest.mark.slow
 TOP = 3
 BF16_TOKEN_TOLERANCE = 0.3  # nats, a token's logprob in bf16 against fp32
-BF16_TOTAL_TOLERANCE = 0.01  # relative, a prompt's summed logprob
+BF16_TOTAL_TOLERANCE = 0.01  # relative, a prompt's summed logprob (or one token's tolerance, for a short prompt)
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -82,7 +82,9 @@ def test_prompt_logprobs_equal_transformers_through_chunks_cache_hits_and_n(defa
 
 def test_bf16_prompt_logprobs_are_near_fp32_transformers(default_model_dir):
     """bf16 (what a deployment serves) against transformers in fp32: looser, and stated. Measured on the default
-    model: worst token 0.14 nats, a prompt's total within 0.45%."""
+    model: worst token 0.14 nats, a long prompt's total within 0.45%. bf16's rounding differs between CPU kinds,
+    and a short prompt's total is small: a 5-token prompt's was off by 0.12 nats (1.3%) on one machine, so a total
+    may also be off by one token's tolerance."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
@@ -99,4 +101,4 @@ def test_bf16_prompt_logprobs_are_near_fp32_transformers(default_model_dir):
         want = [value for value, _, _ in _expected(model, p)]
         got = [entry[p[k]].logprob for k, entry in enumerate(finals[str(i)].prompt_logprobs[1:], start=1)]
         assert max(abs(a - b) for a, b in zip(got, want)) < BF16_TOKEN_TOLERANCE
-        assert sum(got) == pytest.approx(sum(want), rel=BF16_TOTAL_TOLERANCE)  # lm-eval's loglikelihood is a sum
+        assert sum(got) == pytest.approx(sum(want), rel=BF16_TOTAL_TOLERANCE, abs=BF16_TOKEN_TOLERANCE)  # lm-eval's loglikelihood is a sum
