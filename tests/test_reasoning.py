@@ -281,17 +281,12 @@ def test_chat_template_kwargs_are_taken_and_what_the_server_sets_is_a_400(qwen3_
 @pytest.fixture(scope="module")
 def page(triton_server, deepseek_gateway, tmp_path_factory):
     """The chat UI, a client of the deepseek_r1 gateway, in headless Chromium."""
-    from playwright.sync_api import sync_playwright
-
-    from tests.test_ui import CHROMIUM, running_ui
+    from tests.ui_browser import chromium_page, open_ui, running_ui
 
     with running_ui(deepseek_gateway, triton_server.metrics_url, tmp_path_factory.mktemp("ui-reasoning")) as url:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(url, wait_until="networkidle")
+        with chromium_page() as page:
+            open_ui(page, url)
             yield page
-            browser.close()
 
 
 def _words(text: str) -> str:
@@ -300,15 +295,15 @@ def _words(text: str) -> str:
 
 @pytest.mark.slow
 def test_the_ui_streams_the_reasoning_into_a_thought_that_folds_away(page, deepseek_gateway):
-    from tests.test_ui import _ask, _reply_done, _set
+    from tests.ui_browser import ask, exported, reply_done, set_field
 
-    _set(page, "#temperature input[type=number]", "0")
-    _set(page, "#max-tokens input[type=number]", "24")
+    set_field(page, "#temperature input[type=number]", "0")
+    set_field(page, "#max-tokens input[type=number]", "24")
     page.evaluate("""() => { window.titles = []; new MutationObserver(() => {
         for (const t of document.querySelectorAll('#chatbot .thought-group .title')) window.titles.push(t.innerText);
     }).observe(document.querySelector('#chatbot'), {childList: true, subtree: true, characterData: true}); }""")
-    _ask(page, "Say hello.")
-    _reply_done(page)
+    ask(page, "Say hello.")
+    reply_done(page)
     assert any("Thinking" in t for t in page.evaluate("window.titles"))  # streamed as a pending thought
     thought = page.locator("#chatbot .thought-group").last
     assert "Thought" in thought.locator(".title").inner_text()
@@ -320,10 +315,15 @@ def test_the_ui_streams_the_reasoning_into_a_thought_that_folds_away(page, deeps
 
     # the next turn sends the conversation without the thought: the prompt Triton counted says so
     before = page.locator("#reply-stats").inner_text()
-    _ask(page, "And goodbye.")
+    ask(page, "And goodbye.")
     # this reply's own complete stats (while Gradio queues it, the line still ends with the first reply's)
     page.wait_for_function("before => (s => s !== before && s.startsWith('TTFT') && !s.includes('streaming'))"
                            "(document.querySelector('#reply-stats').innerText)", arg=before, timeout=120000)
     prompt = chat_prompt_ids(load_tokenizer(resolve_model(MODEL)),
                              ASK + [{"role": "user", "content": "And goodbye."}])
     assert f"prompt {len(prompt)} tokens" in page.locator("#reply-stats").inner_text()
+
+    # an export leaves the thoughts out too
+    messages = json.loads(exported(page, "#export-json", ".json"))["messages"]
+    assert [m for m in messages if m["role"] == "user"] == ASK + [{"role": "user", "content": "And goodbye."}]
+    assert not any(_words(expected) in _words(m["content"]) for m in messages)

@@ -1,40 +1,15 @@
 """The chat UI (`npu-llm ui`) on the session's Triton and gateway, driven in a real headless Chromium."""
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
 
-from tests.conftest import GATEWAY_API_KEY, free_port
+from tests.ui_browser import (ARTIFACTS, ask, bot_text, chromium_page, open_ui, reply_done, running_ui,
+                              set_field)
 
 pytestmark = pytest.mark.slow
-CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
-
-
-@contextlib.contextmanager
-def running_ui(gateway_url: str, metrics_url: str, log_dir):
-    """`npu-llm ui` as a real process, a client of `gateway_url` showing the Triton metrics at `metrics_url`;
-    yields its URL."""
-    from backend.serve import wait_http
-
-    port = free_port()
-    with open(log_dir / "ui.log", "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "ui", "--gateway-url", gateway_url, "--metrics-url", metrics_url,
-             "--api-key", GATEWAY_API_KEY, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/", process, "the UI", timeout=120)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(15)
 
 
 @pytest.fixture(scope="module")
@@ -46,36 +21,19 @@ def ui(triton_server, gateway, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(ui):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.goto(ui, wait_until="networkidle")
+    with chromium_page() as page:
+        open_ui(page, ui)
         yield page
-        browser.close()
-
-
-def _bot_text(page) -> str:
-    bots = page.locator("#chatbot .message.bot")
-    return bots.last.inner_text() if bots.count() else ""
-
-
-def _ask(page, text: str) -> None:
-    page.locator("#message textarea").fill(text)
-    page.locator("#message textarea").press("Enter")
 
 
 def test_reply_streams_with_stats_and_panel(page, triton_server):
-    _ask(page, "Write three sentences about the sea.")
+    ask(page, "Write three sentences about the sea.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('TTFT')", timeout=60000)
     # (the stats line and the chatbot are two outputs of one update; the chatbot's markdown may render after)
     page.wait_for_function("""(() => { const bots = document.querySelectorAll('#chatbot .message.bot');
                                       return bots.length && bots[bots.length - 1].innerText.trim().length > 0; })()""",
                            timeout=30000)
-    first = len(_bot_text(page))
+    first = len(bot_text(page))
     # the reply grows while the stats line still says it is streaming
     page.wait_for_function(
         f"""(() => {{ const bots = document.querySelectorAll('#chatbot .message.bot');
@@ -95,26 +53,26 @@ def test_reply_streams_with_stats_and_panel(page, triton_server):
 def test_stop_ends_the_reply_and_the_server_request(page, triton_server):
     page.locator("#max-tokens input[type=number]").fill("1500")
     page.locator("#max-tokens input[type=number]").press("Enter")
-    _ask(page, "Tell me a very long story about a dragon and a knight, with many chapters.")
+    ask(page, "Tell me a very long story about a dragon and a knight, with many chapters.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
     # the gauges refresh twice a second
     assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v >= 1, timeout=15) >= 1
     page.locator("#stop").click()
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('stopped')", timeout=10000)
     assert "streaming" not in page.locator("#reply-stats").inner_text()
-    stopped_at = _bot_text(page)
+    stopped_at = bot_text(page)
     # cancelled on the server
     assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
     assert triton_server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=15) == 0
-    assert 0 < len(stopped_at) and _bot_text(page) == stopped_at  # the reply stopped growing where Stop cut it
+    assert 0 < len(stopped_at) and bot_text(page) == stopped_at  # the reply stopped growing where Stop cut it
 
 
 def test_gateway_error_shows_as_a_message(page):
     page.locator("#max-tokens input[type=number]").fill("512")
     page.locator("#max-tokens input[type=number]").press("Enter")
-    _ask(page, "word " * 9000)  # longer than max_model_len: the gateway answers 400
+    ask(page, "word " * 9000)  # longer than max_model_len: the gateway answers 400
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('failed')", timeout=60000)
-    text = _bot_text(page)
+    text = bot_text(page)
     assert "max_model_len" in text and "Traceback" not in text
 
 
@@ -125,22 +83,9 @@ WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parame
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
 
 
-def _reply_done(page) -> str:
-    """The reply, once its stats line says it is complete (or the chat says the request failed)."""
-    page.wait_for_function("(s => s.includes('failed') || (s.includes('TTFT') && !s.includes('streaming')))"
-                           "(document.querySelector('#reply-stats').innerText)", timeout=120000)
-    assert "failed" not in page.locator("#reply-stats").inner_text(), _bot_text(page)
-    return _bot_text(page)
-
-
 def _clear(page) -> None:
     page.locator("#clear").click()
     page.wait_for_function("document.querySelector('#reply-stats').innerText.trim() === ''", timeout=15000)
-
-
-def _set(page, field: str, value: str) -> None:
-    page.locator(field).fill(value)
-    page.locator(field).press("Enter")
 
 
 def _reset(page, temperature: str = "0.7") -> None:
@@ -150,28 +95,28 @@ def _reset(page, temperature: str = "0.7") -> None:
     for box in ("#json-schema textarea", "#tools textarea", "#system-prompt textarea"):
         page.locator(box).fill("")
     page.locator("#tool-choice").get_by_text("auto").click()
-    _set(page, "#seed input", "-1")
-    _set(page, "#max-tokens input[type=number]", "512")
-    _set(page, "#temperature input[type=number]", temperature)
+    set_field(page, "#seed input", "-1")
+    set_field(page, "#max-tokens input[type=number]", "512")
+    set_field(page, "#temperature input[type=number]", temperature)
 
 
 def test_json_mode_and_tool_calls_show_readably(page):
     _reset(page, temperature="0")  # greedy: a sampled 135M model may list calls until max_tokens
     page.locator("#json-mode input[type=checkbox]").check()
     page.locator("#json-schema textarea").fill(json.dumps(PET))
-    _ask(page, "Describe my pet.")
-    jsonschema.validate(json.loads(_reply_done(page)), PET)
+    ask(page, "Describe my pet.")
+    jsonschema.validate(json.loads(reply_done(page)), PET)
 
     page.locator("#json-mode input[type=checkbox]").uncheck()
     page.locator("#json-schema textarea").fill("")
     page.locator("#tools textarea").fill(json.dumps(WEATHER_TOOL))
     page.locator("#tool-choice").get_by_text("required").click()
     _clear(page)
-    _ask(page, "What is the weather in Oslo?")
-    _reply_done(page)
+    ask(page, "What is the weather in Oslo?")
+    reply_done(page)
     page.wait_for_function("(bots => bots.length && bots[bots.length - 1].innerText.includes('get_weather'))"
                            "(document.querySelectorAll('#chatbot .message.bot'))", timeout=15000)  # rendered
-    assert "🔧" in _bot_text(page)
+    assert "🔧" in bot_text(page)
     arguments = json.loads(page.locator("#chatbot .message.bot").last.locator("code").last.inner_text())
     jsonschema.validate(arguments, WEATHER_TOOL[0]["function"]["parameters"])
 
@@ -181,12 +126,12 @@ def test_seed_regenerate_clear_and_the_system_prompt(page):
     from backend.models.registry import DEFAULT_MODEL, resolve_model
 
     _reset(page)
-    _set(page, "#seed input", "42")
-    _set(page, "#max-tokens input[type=number]", "24")
+    set_field(page, "#seed input", "42")
+    set_field(page, "#max-tokens input[type=number]", "24")
     system, question = "You are a pirate. Answer in one sentence.", "Tell me about the sea."
     page.locator("#system-prompt textarea").fill(system)
-    _ask(page, question)
-    first = _reply_done(page)
+    ask(page, question)
+    first = reply_done(page)
     # the system prompt reached the model: the prompt Triton counted is the conversation with it
     prompt = chat_prompt_ids(load_tokenizer(resolve_model(DEFAULT_MODEL)),
                              [{"role": "system", "content": system}, {"role": "user", "content": question}])
@@ -198,7 +143,7 @@ def test_seed_regenerate_clear_and_the_system_prompt(page):
             .observe(stats, {childList: true, subtree: true, characterData: true}); }""")
     page.locator("#regenerate").click()
     page.wait_for_function("window.seenStats.some(s => s.includes('streaming'))", timeout=60000)
-    _reply_done(page)
+    reply_done(page)
     page.wait_for_function("(([bots, first]) => bots.length === 1 && bots[0].innerText === first)"
                            "([document.querySelectorAll('#chatbot .message.bot'), %s])" % json.dumps(first),
                            timeout=30000)

@@ -1,27 +1,40 @@
-"""Gradio chat UI: an ordinary OpenAI client of the gateway, with a panel of Triton's metrics.
+"""Gradio chat UI: an ordinary OpenAI client of the gateway, with conversations kept in the browser and a panel of
+Triton's metrics.
 
-Replies stream token by token; a thinking model's reasoning (the gateway's reasoning_content) streams
-into a "thought" above the answer, which folds away once the answer begins. Stop cancels the Gradio event,
-which closes the HTTP stream, so the gateway cancels the Triton request and the engine frees it. The server
-panel refreshes from Triton's /metrics every few seconds.
+Replies stream token by token; a thinking model's reasoning (the gateway's reasoning_content) streams into a
+thought above the answer, which folds away once the answer begins. Stop cancels the Gradio event, which closes the
+HTTP stream, so the gateway cancels the Triton request and the engine frees it.
+
+Conversations (the sidebar) live in the browser's localStorage, through gr.BrowserState: each browser keeps its
+own (a UI shared by several people holds none of them, and shows nobody another's), and they survive reloads and
+restarts of `npu-llm ui`. Each keeps its messages, system prompt and sampling settings (ui/conversations.py).
+
+The server panel and the plots refresh from Triton's /metrics every few seconds (ui/server_metrics.py).
 """
 from __future__ import annotations
 
 import json
 import os
-import time
-import urllib.request
-from collections import deque
+import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
-import pandas as pd
-from openai import AsyncOpenAI, OpenAI, OpenAIError
-from prometheus_client.parser import text_string_to_metric_families
+from openai import OpenAIError
+
+from ui import conversations
+from ui.chat_client import ChatClient, chat_request
+from ui.conversations import SETTINGS
+from ui.messages import before_reply, is_thought, settled, text_of
+from ui.server_metrics import HISTORY_S, ServerMetrics
 
 REFRESH_S = 3.0
-HISTORY_S = 300  # throughput plot window
-THINKING, THOUGHT = "💭 Thinking…", "💭 Thought"
+STORE_KEY = "npu-llm-conversations"
+# BrowserState encrypts what it stores with this key, which the page itself carries, so it hides nothing; a key
+# drawn anew at each start (Gradio's default) would leave the stored conversations unreadable after a restart.
+STORE_SECRET = "npu-llm-chat-conversations"
+REGENERATE, REGENERATE_SELECTED = "Regenerate", "Regenerate selected"
 
 
 @dataclass
@@ -31,234 +44,138 @@ class UISettings:
     api_key: str | None = None
 
 
-def _error_text(e: Exception) -> str:
-    """A readable one-liner for the chat, never a traceback."""
-    body = getattr(e, "body", None)
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return body["error"].get("message", str(e))
-    if isinstance(body, dict) and "message" in body:
-        return str(body["message"])
-    return getattr(e, "message", None) or str(e) or type(e).__name__
-
-
-class ChatBackend:
-    def __init__(self, settings: UISettings):
-        self.settings = settings
-        client_args = dict(base_url=f"{settings.gateway_url}/v1", api_key=settings.api_key or "unused",
-                           max_retries=0, timeout=300)
-        self.client = OpenAI(**client_args)
-        # Replies stream through the async client: Stop cancels the task awaiting it, which closes the
-        # HTTP stream at once (a sync generator would linger in its worker thread until collected).
-        self.async_client = AsyncOpenAI(**client_args)
-        self.samples: deque[tuple[float, float]] = deque()  # (time, vllm:generation_tokens_total)
-        self._model: str | None = None
-
-    def model(self) -> str:
-        if self._model is None:
-            self._model = self.client.models.list().data[0].id
-        return self._model
-
-    async def stream_reply(self, history: list[dict], system: str, temperature: float, top_p: float,
-                           max_tokens: int, seed: float | None, json_mode: bool = False, schema: str = "",
-                           tools: str = "", tool_choice: str = "auto"):
-        """Yields (the reply's chat messages so far, stats line) while the reply streams: the reasoning as a
-        thought, when the model thinks, then the answer. JSON mode asks for JSON (matching the schema, when one is
-        given); tools (an OpenAI tools list, as JSON) lets the model call them, shown readably."""
-        # earlier thoughts stay on the screen only: models are sent their earlier answers, not their thinking
-        messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
-            {"role": m["role"], "content": m["content"]} for m in history if not _is_thought(m)]
-        start, first, text, reasoning, chunks = time.perf_counter(), None, "", "", 0
-        tokens = prompt_tokens = None
-        calls: dict[int, dict] = {}  # the tool calls streamed so far, by index
-        stream = await self.async_client.chat.completions.create(
-            model=self.model(), messages=messages, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens),
-            seed=None if seed is None or seed < 0 else int(seed), stream=True, stream_options={"include_usage": True},
-            **_output_options(json_mode, schema, tools, tool_choice))
-        try:
-            async for chunk in stream:
-                if chunk.usage is not None:  # the exact counts, in the last chunk
-                    tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-                delta = chunk.choices[0].delta if chunk.choices else None
-                # (the SDK keeps the fields it does not declare, such as reasoning_content, as attributes)
-                thought = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
-                if delta and (delta.content or delta.tool_calls or thought):
-                    first = first or time.perf_counter()
-                    reasoning += thought or ""
-                    text += delta.content or ""
-                    for call in delta.tool_calls or []:
-                        entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
-                        entry["name"] += call.function.name or ""
-                        entry["arguments"] += call.function.arguments or ""
-                    chunks += 1  # one per engine step: a token, or a few that complete a character
-                    answer = _reply(text, calls)
-                    yield _shown(reasoning, answer, thinking=not answer), _stats(start, first, chunks, streaming=True)
-            yield _shown(reasoning, _reply(text, calls), thinking=False), _stats(
-                start, first, tokens or chunks, streaming=False, prompt_tokens=prompt_tokens)
-        finally:
-            await stream.close()  # on Stop too: closing the connection cancels the request on the server
-
-    def server_panel(self) -> tuple[str, pd.DataFrame]:
-        try:
-            with urllib.request.urlopen(self.settings.metrics_url, timeout=2) as r:
-                families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
-        except OSError as e:
-            return f"**Server** unreachable ({e})", self.throughput()
-
-        def values(name: str) -> list[float]:  # one per engine (data parallel: one per Triton instance)
-            family = families.get(name)
-            return [sample.value for sample in family.samples] if family else []
-
-        def total(name: str) -> float:
-            return sum(values(name))
-
-        def mean(name: str) -> float:
-            return total(name) / max(1, len(values(name)))
-
-        engines = families["npu_llm:engine_info"].samples if "npu_llm:engine_info" in families else []
-        labels = engines[0].labels if engines else {}
-        devices = ", ".join(engine.labels.get("device", "?") for engine in engines) or "?"
-        now = time.time()
-        self.samples.append((now, total("vllm:generation_tokens")))  # the parser strips _total from counters
-        while self.samples and self.samples[0][0] < now - HISTORY_S:
-            self.samples.popleft()
-        panel = (
-            f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
-            f"**KV cache** {mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
-            f"**Running** {total('vllm:num_requests_running'):.0f} · "
-            f"**Waiting** {total('vllm:num_requests_waiting'):.0f} · "
-            f"**Prefix-cache hit rate** {mean('vllm:prefix_cache_hit_rate') * 100:.0f}%"
-        )
-        return panel, self.throughput()
-
-    def throughput(self) -> pd.DataFrame:
-        """Generation tokens/s between successive samples, at clock time. The columns are typed even when empty:
-        Gradio's plot picks each axis's scale from its column's dtype, and an untyped (object) column is drawn
-        as categories, which put the raw floats on the axis in the order they came."""
-        points = list(self.samples)
-        pairs = [(t1, (v1 - v0) / (t1 - t0)) for (t0, v0), (t1, v1) in zip(points, points[1:]) if t1 > t0]
-        return pd.DataFrame({
-            "time": pd.to_datetime([t for t, _ in pairs], unit="s", utc=True).tz_convert(None),
-            "tokens/s": pd.Series([rate for _, rate in pairs], dtype="float64")})
-
-
-def _output_options(json_mode: bool, schema: str, tools: str, tool_choice: str) -> dict:
-    """The request's response_format and tools, from the side panel; ValueError (shown in the chat) if not JSON."""
-    options = {}
-    if json_mode:
-        options["response_format"] = {"type": "json_object"}
-        if schema.strip():
-            options["response_format"] = {"type": "json_schema",
-                                          "json_schema": {"name": "reply", "schema": _json(schema, "the schema")}}
-    if tools.strip():
-        options["tools"] = _json(tools, "the tools")
-        options["tool_choice"] = tool_choice
-    return options
-
-
-def _json(text: str, what: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} is not valid JSON: {e}") from None
-
-
-def _is_thought(message: dict) -> bool:
-    return bool((message.get("metadata") or {}).get("title"))
-
-
-def _shown(reasoning: str, answer: str, thinking: bool) -> list[dict]:
-    """The reply as the chatbot's messages: the reasoning as a thought (Gradio folds it away once its status is
-    done), then the answer."""
-    shown = []
-    if reasoning:
-        shown.append({"role": "assistant", "content": reasoning,
-                      "metadata": {"title": THINKING if thinking else THOUGHT,
-                                   "status": "pending" if thinking else "done"}})
-    if answer or not reasoning:
-        shown.append({"role": "assistant", "content": answer})
-    return shown
-
-
-def _settled(messages: list[dict]) -> list[dict]:
-    """The messages with a thought cut short (Stop, an error) marked done: no spinner left turning."""
-    return [{**m, "metadata": {**m["metadata"], "title": THOUGHT, "status": "done"}}
-            if _is_thought(m) and m["metadata"].get("status") == "pending" else m for m in messages]
-
-
-def _reply(text: str, calls: dict[int, dict]) -> str:
-    """The reply as shown: its text, then each tool call as its name and pretty-printed arguments."""
-    shown = [text] if text else []
-    for _, call in sorted(calls.items()):
-        try:
-            arguments = json.dumps(json.loads(call["arguments"]), indent=2)
-        except json.JSONDecodeError:  # still streaming
-            arguments = call["arguments"]
-        shown.append(f"🔧 **{call['name']}**\n```json\n{arguments}\n```")
-    return "\n\n".join(shown)
-
-
-def _stats(start: float, first: float | None, tokens: int | None, streaming: bool,
-           prompt_tokens: int | None = None) -> str:
-    if first is None:
-        return "waiting for the first token…"
-    ttft = first - start
-    elapsed = time.perf_counter() - first
-    parts = [f"TTFT {ttft:.2f} s"]
-    if tokens:
-        parts.append(f"{tokens} tokens")
-        if elapsed > 0 and tokens > 1:
-            parts.append(f"{(tokens - 1) / elapsed:.1f} tokens/s")
-    if prompt_tokens:  # the conversation as the model saw it (system prompt and template included)
-        parts.append(f"prompt {prompt_tokens} tokens")
-    return " · ".join(parts) + (" · streaming…" if streaming else "")
-
-
 def build_app(settings: UISettings) -> gr.Blocks:
-    backend = ChatBackend(settings)
+    client = ChatClient(settings.gateway_url, settings.api_key)
+    metrics = ServerMetrics(settings.metrics_url)
+    exports = tempfile.TemporaryDirectory(prefix="npu-llm-exports-")  # (removed when the UI exits)
 
-    async def respond(history, system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice):
+    async def respond(history, *values):
         asked = list(history)
+        if not asked or asked[-1]["role"] != "user":
+            yield gr.skip(), gr.skip()  # (nothing to answer)
+            return
         reply = [{"role": "assistant", "content": ""}]
         try:
-            async for reply, stats in backend.stream_reply(asked, system, temperature, top_p, max_tokens, seed,
-                                                           json_mode, schema, tools, tool_choice):
+            async for reply, stats in client.stream_reply(asked, dict(zip(SETTINGS, values))):
                 yield asked + reply, stats
         except (OpenAIError, OSError, ValueError) as e:
-            thoughts = _settled([m for m in reply if _is_thought(m)])  # what it had thought stays
-            yield asked + thoughts + [{"role": "assistant", "content": f"⚠️ {_error_text(e)}"}], "request failed"
+            thoughts = settled([m for m in reply if is_thought(m)])  # what it had thought stays
+            failed = {"role": "assistant", "content": f"⚠️ {client.error_text(e)}"}
+            yield asked + thoughts + [failed], "request failed"
 
     def add_user(message, history):
         if not message.strip():
             return "", history
         return "", list(history) + [{"role": "user", "content": message}]
 
-    def settle_thoughts(history):
-        settled = _settled(history)
-        return settled if settled != history else gr.skip()  # (nothing was thinking: nothing to redraw)
+    def edited(history, edit: gr.EditData):
+        """The conversation up to the edited user message, which now says what the user wrote."""
+        return list(history[:edit.index]) + [{"role": "user", "content": text_of(edit.value)}]
 
-    def drop_last_reply(history):
-        history = list(history)
-        while history and history[-1]["role"] == "assistant":
-            history.pop()
-        return history
+    def settle_thoughts(history):
+        now = settled(history)
+        return now if now != history else gr.skip()  # (nothing was thinking: nothing to redraw)
+
+    def select_message(select: gr.SelectData):
+        chosen = select.index if select.selected else None
+        return chosen, gr.update(value=REGENERATE if chosen is None else REGENERATE_SELECTED)
+
+    def before_selected(history, selected):
+        """Regenerate: the selected message's reply (the last one's, with none selected), later turns dropped."""
+        index = selected if selected is not None and selected < len(history) else None
+        return before_reply(history, index), None, gr.update(value=REGENERATE)
+
+    # The store (the browser's) and what shows its current conversation ----------------------------------------
+    def sidebar(store, query=""):
+        """The conversation list: the titles that hold the query, newest first, the current one chosen."""
+        choices = conversations.listing(store, query)
+        chosen = store["current"] if any(cid == store["current"] for _, cid in choices) else None
+        return gr.update(choices=choices, value=chosen)
+
+    def shown(store) -> list:
+        """[chatbot, title, stats, selected, regenerate, *settings] for the current conversation (a new chat:
+        empty, with the settings left as they are)."""
+        conversation = conversations.current(store)
+        fresh = ["", None, gr.update(value=REGENERATE)]
+        if conversation is None:
+            return [[], ""] + fresh + [gr.skip()] * len(SETTINGS)
+        kept = conversation["settings"]
+        return ([conversation["messages"], conversations.title(conversation)] + fresh
+                + [kept[name] if name in kept else gr.skip() for name in SETTINGS])
+
+    def persist(store, history, query, *values):
+        store = conversations.saved(store, history, dict(zip(SETTINGS, values)))
+        current = conversations.current(store)
+        return store, sidebar(store, query), conversations.title(current) if current else ""
+
+    def restore(store, query):
+        return [sidebar(store, query)] + shown(store)
+
+    def switch(store, chosen, history, query, *values):
+        store = conversations.switched(conversations.saved(store, history, dict(zip(SETTINGS, values))), chosen)
+        return [store, sidebar(store, query)] + shown(store)
+
+    def rename_current(store, title, query):
+        store = conversations.renamed(store, title)
+        return store, sidebar(store, query), conversations.title(conversations.current(store))
+
+    def delete_current(store, query):
+        store = conversations.deleted(store)
+        return [store, sidebar(store, query)] + shown(store)
+
+    def export(kind, store, history, *values):
+        """A file of the conversation on the screen: Markdown, or JSON (the chat request it amounts to)."""
+        chosen = dict(zip(SETTINGS, values))
+        name = conversations.title(conversations.current(store) or {"messages": history})
+        try:
+            text = (conversations.as_markdown(name, history, chosen) if kind == "md" else
+                    json.dumps(chat_request(client.model(), history, chosen), indent=2, ensure_ascii=False) + "\n")
+        except (OpenAIError, OSError, ValueError) as e:
+            raise gr.Error(client.error_text(e)) from None
+        path = Path(tempfile.mkdtemp(dir=exports.name)) / f"{_file_name(name)}.{kind}"  # (Gradio serves a copy)
+        path.write_text(text, encoding="utf-8")
+        return str(path)
 
     with gr.Blocks(title="npu-llm chat") as app:
+        store = gr.BrowserState(conversations.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
+        selected = gr.State(None)  # the chat message chosen for Regenerate (None: the last reply)
+        with gr.Sidebar(label="Conversations", elem_id="sidebar"):
+            new_chat = gr.Button("New chat", variant="primary", elem_id="new-chat")
+            search = gr.Textbox(placeholder="Search titles…", show_label=False, elem_id="search")
+            listing = gr.Radio([], label="Conversations", elem_id="conversations")
+            title = gr.Textbox(label="Title (Enter renames)", elem_id="title")
+            with gr.Row():
+                rename = gr.Button("Rename", size="sm", min_width=0, elem_id="rename")
+                delete = gr.Button("Delete", size="sm", variant="stop", min_width=0, elem_id="delete")
+            with gr.Row():
+                export_md = gr.Button("Export Markdown", size="sm", min_width=0, elem_id="export-markdown")
+                export_json = gr.Button("Export JSON", size="sm", min_width=0, elem_id="export-json")
+            exported = gr.File(label="Export", interactive=False, elem_id="export-file")
+
         gr.Markdown("## npu-llm chat")
         panel = gr.Markdown("**Server** connecting…", elem_id="server-panel")
         with gr.Row():
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=460)
+                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=460, editable="user",
+                                     buttons=["copy", "copy_all"])
                 stats = gr.Markdown("", elem_id="reply-stats")
                 message = gr.Textbox(placeholder="Ask something…", show_label=False, elem_id="message")
                 with gr.Row():
                     send = gr.Button("Send", variant="primary", elem_id="send")
                     stop = gr.Button("Stop", elem_id="stop")
-                    regenerate = gr.Button("Regenerate", elem_id="regenerate")
+                    regenerate = gr.Button(REGENERATE, elem_id="regenerate")
                     clear = gr.Button("Clear", elem_id="clear")
+                minutes = HISTORY_S // 60
+                with gr.Row():
+                    throughput_plot = gr.LinePlot(x="time", y="tokens/s", y_lim=[0, None], y_axis_format="~s",
+                                                  title=f"Generation throughput (last {minutes} min)", height=200,
+                                                  elem_id="throughput-plot")
+                    kv_plot = gr.LinePlot(x="time", y="KV cache %", y_lim=[0, 100], height=200,
+                                          title=f"KV-cache usage (last {minutes} min)", elem_id="kv-cache-plot")
             with gr.Column(scale=1):
                 system = gr.Textbox(label="System prompt", value="", lines=3, elem_id="system-prompt")
                 temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature", elem_id="temperature")
-                top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top p")
+                top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top p", elem_id="top-p")
                 max_tokens = gr.Slider(1, 2048, value=512, step=1, label="Max tokens", elem_id="max-tokens")
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)", elem_id="seed")
                 json_mode = gr.Checkbox(label="JSON mode", value=False, elem_id="json-mode")
@@ -267,28 +184,55 @@ def build_app(settings: UISettings) -> gr.Blocks:
                 tools = gr.Textbox(label="Tools (OpenAI tools list, optional)", lines=3, elem_id="tools",
                                    placeholder='[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
                 tool_choice = gr.Radio(["auto", "required"], value="auto", label="Tool choice", elem_id="tool-choice")
-                plot = gr.LinePlot(x="time", y="tokens/s", title="Generation throughput (last 5 min)",
-                                   y_lim=[0, None], y_axis_format="~s",
-                                   height=220, elem_id="throughput-plot")
 
         settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice]
-        events = [
-            message.submit(add_user, [message, chatbot], [message, chatbot], queue=False).then(
-                respond, [chatbot, *settings_inputs], [chatbot, stats]),
-            send.click(add_user, [message, chatbot], [message, chatbot], queue=False).then(
-                respond, [chatbot, *settings_inputs], [chatbot, stats]),
-            regenerate.click(drop_last_reply, chatbot, chatbot, queue=False).then(
-                respond, [chatbot, *settings_inputs], [chatbot, stats]),
-        ]
+        assert len(settings_inputs) == len(SETTINGS)
+        persist_io = dict(fn=persist, inputs=[store, chatbot, search, *settings_inputs],
+                          outputs=[store, listing, title], show_progress="hidden")
+        shown_outputs = [chatbot, title, stats, selected, regenerate, *settings_inputs]
+        events = []
+
+        def answer(trigger):
+            """The reply to the chat as `trigger` left it, streamed, then kept in the store."""
+            replying = trigger.then(respond, [chatbot, *settings_inputs], [chatbot, stats])
+            replying.then(**persist_io)
+            events.append(replying)
+
+        answer(message.submit(add_user, [message, chatbot], [message, chatbot], queue=False))
+        answer(send.click(add_user, [message, chatbot], [message, chatbot], queue=False))
+        answer(regenerate.click(before_selected, [chatbot, selected], [chatbot, selected, regenerate], queue=False))
+        answer(chatbot.retry(before_reply, chatbot, chatbot, queue=False))
+        answer(chatbot.edit(edited, chatbot, chatbot, queue=False))
+        chatbot.select(select_message, None, [selected, regenerate], queue=False)
         # Label the reply once the cancellation went through (queued behind it, not racing it).
         stop.click(None, cancels=events, queue=False).then(
             lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats).then(
-            settle_thoughts, chatbot, chatbot, show_progress="hidden")  # (no loading overlay on the stopped reply)
-        clear.click(lambda: ([], ""), None, [chatbot, stats], cancels=events)
+            settle_thoughts, chatbot, chatbot, show_progress="hidden").then(  # (no loading overlay on the reply)
+            **persist_io)
+        clear.click(lambda: ([], ""), None, [chatbot, stats], cancels=events).then(**persist_io)
+        chatbot.clear(lambda: "", None, stats, cancels=events).then(**persist_io)  # (its own bin icon)
+        # A setting belongs to the conversation it is changed in; text boxes are kept when left, not per key.
+        gr.on([c.blur if isinstance(c, gr.Textbox) else c.change for c in settings_inputs], **persist_io)
+
+        new_chat.click(lambda s, h, q, *v: switch(s, None, h, q, *v), [store, chatbot, search, *settings_inputs],
+                       [store, listing, *shown_outputs], cancels=events)
+        listing.input(switch, [store, listing, chatbot, search, *settings_inputs],
+                      [store, listing, *shown_outputs], cancels=events)
+        gr.on([rename.click, title.submit], rename_current, [store, title, search], [store, listing, title])
+        delete.click(delete_current, [store, search], [store, listing, *shown_outputs], cancels=events)
+        search.change(sidebar, [store, search], listing, queue=False)
+        export_md.click(lambda *a: export("md", *a), [store, chatbot, *settings_inputs], exported)
+        export_json.click(lambda *a: export("json", *a), [store, chatbot, *settings_inputs], exported)
+
         timer = gr.Timer(REFRESH_S)
-        timer.tick(backend.server_panel, None, [panel, plot])
-        app.load(backend.server_panel, None, [panel, plot])
+        timer.tick(metrics.refresh, None, [panel, throughput_plot, kv_plot])
+        app.load(metrics.refresh, None, [panel, throughput_plot, kv_plot])
+        app.load(restore, [store, search], [listing, *shown_outputs])
     return app
+
+
+def _file_name(title: str) -> str:
+    return re.sub(r"[^\w\- ]+", "", title).strip().replace(" ", "-")[:60] or "conversation"
 
 
 def run_ui(args) -> int:

@@ -1,0 +1,85 @@
+"""The UI's conversations, as the browser keeps them: a JSON store of conversations, each with its messages (as the
+chatbot shows them), its system prompt and sampling settings, and a title (the first user message's, until the
+user renames it). Pure functions of the store: each returns a new one. Also a conversation as Markdown (its
+export as JSON is the chat request it amounts to: chat_client.chat_request).
+"""
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+
+from ui.messages import as_openai, text_of
+
+# the side panel's fields, in the order build_app lays them out
+SETTINGS = ("system", "temperature", "top_p", "max_tokens", "seed", "json_mode", "schema", "tools", "tool_choice")
+UNTITLED = "New chat"
+TITLE_CHARS = 40
+
+
+def empty_store() -> dict:
+    return {"current": None, "conversations": []}
+
+
+def current(store: dict) -> dict | None:
+    return next((c for c in store["conversations"] if c["id"] == store["current"]), None)
+
+
+def title(conversation: dict | None) -> str:
+    """The title the user gave it, or the start of its first user message."""
+    if conversation is None:
+        return UNTITLED
+    if conversation.get("title"):
+        return conversation["title"]
+    first = next((text_of(m["content"]) for m in conversation["messages"] if m["role"] == "user"), "")
+    words = " ".join(first.split())
+    return (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or UNTITLED
+
+
+def listing(store: dict, query: str = "") -> list[tuple[str, str]]:
+    """(title, id) of each conversation whose title holds the query (any case), the last one written to first."""
+    query = query.strip().lower()
+    newest_first = sorted(store["conversations"], key=lambda c: c["updated"], reverse=True)
+    return [(title(c), c["id"]) for c in newest_first if query in title(c).lower()]
+
+
+def saved(store: dict, messages: list[dict], settings: dict) -> dict:
+    """The store with the current conversation's messages and settings as they are now. A new chat becomes a
+    conversation with its first message; one whose messages changed moves to the top of the list."""
+    store = copy.deepcopy(store)
+    conversation = current(store)
+    if conversation is None:
+        if not messages:
+            return store  # (an empty new chat is not kept)
+        conversation = {"id": uuid.uuid4().hex[:12], "title": "", "messages": [], "settings": {}, "updated": 0.0}
+        store["conversations"].append(conversation)
+        store["current"] = conversation["id"]
+    if conversation["messages"] != messages:
+        conversation["messages"], conversation["updated"] = copy.deepcopy(messages), time.time()
+    conversation["settings"] = dict(settings)
+    return store
+
+
+def switched(store: dict, conversation_id: str | None) -> dict:
+    """The store with that conversation current (None: a new chat, kept once it has a message)."""
+    return {**store, "current": conversation_id}
+
+
+def renamed(store: dict, new_title: str) -> dict:
+    """The current conversation titled so (an empty title: its first user message's again)."""
+    store = copy.deepcopy(store)
+    if (conversation := current(store)) is not None:
+        conversation["title"] = " ".join(new_title.split())
+    return store
+
+
+def deleted(store: dict) -> dict:
+    """The store without the current conversation, and a new chat current."""
+    return {"current": None, "conversations": [c for c in store["conversations"] if c["id"] != store["current"]]}
+
+
+def as_markdown(name: str, messages: list[dict], settings: dict) -> str:
+    """The conversation as a Markdown document: its title, then each message under its role, the system prompt
+    first (the thoughts left out, as they are from what the model is sent)."""
+    return "\n\n".join([f"# {name}"] + [f"## {m['role'].capitalize()}\n\n{m['content']}"
+                                         for m in as_openai(messages, settings["system"])]) + "\n"

@@ -1,0 +1,69 @@
+"""The chat's messages as Gradio's chatbot holds them: OpenAI-style role/content dicts, whose content the chatbot
+hands back as a list of parts ([{"type": "text", "text": ...}]) even where it was given a string.
+
+A reply is a thought (the model's reasoning, a message with a metadata title, which the chatbot folds away once
+its status is done) and then the answer. The thoughts stay on the screen only: the model is sent the conversation
+without them, as OpenAI's API expects earlier turns.
+"""
+from __future__ import annotations
+
+import json
+
+THINKING, THOUGHT = "💭 Thinking…", "💭 Thought"
+
+
+def is_thought(message: dict) -> bool:
+    return bool((message.get("metadata") or {}).get("title"))
+
+
+def text_of(content) -> str:
+    """A message's text, from a string or the chatbot's list of parts."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text") or "" for part in content or [] if isinstance(part, dict))
+
+
+def as_openai(history: list[dict], system: str) -> list[dict]:
+    """The conversation as OpenAI chat messages: the system prompt (if any), then each turn without its thoughts."""
+    return ([{"role": "system", "content": system}] if system.strip() else []) + [
+        {"role": m["role"], "content": text_of(m["content"])} for m in history if not is_thought(m)]
+
+
+def shown(reasoning: str, answer: str, thinking: bool) -> list[dict]:
+    """The reply as the chatbot's messages: the reasoning as a thought (pending while the model thinks), then the
+    answer."""
+    messages = []
+    if reasoning:
+        messages.append({"role": "assistant", "content": reasoning,
+                         "metadata": {"title": THINKING if thinking else THOUGHT,
+                                      "status": "pending" if thinking else "done"}})
+    if answer or not reasoning:
+        messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def settled(messages: list[dict]) -> list[dict]:
+    """The messages with a thought cut short (Stop, an error) marked done: no spinner left turning."""
+    return [{**m, "metadata": {**m["metadata"], "title": THOUGHT, "status": "done"}}
+            if is_thought(m) and m["metadata"].get("status") == "pending" else m for m in messages]
+
+
+def reply_text(text: str, calls: dict[int, dict]) -> str:
+    """The answer as shown: its text, then each tool call as its name and pretty-printed arguments."""
+    parts = [text] if text else []
+    for _, call in sorted(calls.items()):
+        try:
+            arguments = json.dumps(json.loads(call["arguments"]), indent=2)
+        except json.JSONDecodeError:  # still streaming
+            arguments = call["arguments"]
+        parts.append(f"🔧 **{call['name']}**\n```json\n{arguments}\n```")
+    return "\n\n".join(parts)
+
+
+def before_reply(history: list[dict], index: int | None = None) -> list[dict]:
+    """The conversation up to the user message that the reply at `index` answers (a user message's own index: up to
+    it), so the reply can be generated anew; the last reply's when `index` is None. Later turns are dropped."""
+    end = len(history) if index is None else min(index + 1, len(history))
+    while end and history[end - 1]["role"] != "user":
+        end -= 1
+    return list(history[:end])

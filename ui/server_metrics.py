@@ -1,0 +1,83 @@
+"""The UI's server panel and plots, from Triton's Prometheus /metrics (the metric names of Triton's vLLM backend).
+
+Each refresh samples the counters and gauges; the plots are the last HISTORY_S seconds of those samples, as
+dataframes with typed columns: Gradio's plots pick each axis's scale from its column's dtype, and an untyped
+(object) column, which an empty frame has, is drawn as categories (raw floats as ticks, in the order they came).
+"""
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections import deque
+from typing import NamedTuple
+
+import pandas as pd
+from prometheus_client.parser import text_string_to_metric_families
+
+HISTORY_S = 300
+
+
+class Sample(NamedTuple):
+    time: float
+    generation_tokens: float  # vllm:generation_tokens_total, summed over the engines
+    kv_cache_usage: float  # vllm:kv_cache_usage_perc (0..1), averaged over the engines
+
+
+class ServerMetrics:
+    def __init__(self, metrics_url: str):
+        self.metrics_url = metrics_url
+        self.samples: deque[Sample] = deque()
+
+    def refresh(self) -> tuple[str, pd.DataFrame, pd.DataFrame]:
+        """The panel's markdown, the throughput frame and the KV-cache frame, sampled now."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        except OSError as e:
+            reason = getattr(e, "reason", e)  # (a URLError's own, without its wrapping)
+            panel = f"**Server** unreachable: no metrics at {self.metrics_url} ({reason})"
+            return panel, self.throughput(), self.kv_cache()
+
+        def values(name: str) -> list[float]:  # one per engine (data parallel: one per Triton instance)
+            family = families.get(name)
+            return [sample.value for sample in family.samples] if family else []
+
+        def total(name: str) -> float:
+            return sum(values(name))
+
+        def mean(name: str) -> float:
+            return total(name) / max(1, len(values(name)))
+
+        engines = families["npu_llm:engine_info"].samples if "npu_llm:engine_info" in families else []
+        labels = engines[0].labels if engines else {}
+        devices = ", ".join(engine.labels.get("device", "?") for engine in engines) or "?"
+        now = time.time()
+        # (the parser strips _total from counters)
+        self.samples.append(Sample(now, total("vllm:generation_tokens"), mean("vllm:kv_cache_usage_perc")))
+        while self.samples and self.samples[0].time < now - HISTORY_S:
+            self.samples.popleft()
+        panel = (
+            f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
+            f"**KV cache** {mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
+            f"**Running** {total('vllm:num_requests_running'):.0f} · "
+            f"**Waiting** {total('vllm:num_requests_waiting'):.0f} · "
+            f"**Prefix-cache hit rate** {mean('vllm:prefix_cache_hit_rate') * 100:.0f}%"
+        )
+        return panel, self.throughput(), self.kv_cache()
+
+    def throughput(self) -> pd.DataFrame:
+        """Generation tokens/s between successive samples, at clock time."""
+        points = list(self.samples)
+        pairs = [(b.time, (b.generation_tokens - a.generation_tokens) / (b.time - a.time))
+                 for a, b in zip(points, points[1:]) if b.time > a.time]
+        return _frame([t for t, _ in pairs], "tokens/s", [rate for _, rate in pairs])
+
+    def kv_cache(self) -> pd.DataFrame:
+        """KV-cache usage in percent, at clock time."""
+        return _frame([s.time for s in self.samples], "KV cache %", [s.kv_cache_usage * 100 for s in self.samples])
+
+
+def _frame(times: list[float], name: str, values: list[float]) -> pd.DataFrame:
+    """A time series as Gradio's plots read one: datetime64 (naive UTC) against float64, even when empty."""
+    return pd.DataFrame({"time": pd.to_datetime(times, unit="s", utc=True).tz_convert(None),
+                         name: pd.Series(values, dtype="float64")})
