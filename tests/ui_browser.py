@@ -59,8 +59,11 @@ def open_ui(page, url: str) -> None:
 
 
 def ask(page, text: str) -> None:
+    """Send a message; returns once the chat took it (the box emptied, and with it the last reply's stats line, so
+    that reply_done waits for this reply's)."""
     page.locator("#message textarea").fill(text)
     page.locator("#message textarea").press("Enter")
+    page.wait_for_function("document.querySelector('#message textarea').value === ''", timeout=30000)
 
 
 def bot_text(page) -> str:

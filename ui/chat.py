@@ -64,9 +64,10 @@ def build_app(settings: UISettings) -> gr.Blocks:
             yield asked + thoughts + [failed], "request failed"
 
     def add_user(message, history):
+        """The message into the chat, and the stats line emptied for its reply."""
         if not message.strip():
-            return "", history
-        return "", list(history) + [{"role": "user", "content": message}]
+            return "", history, gr.skip()
+        return "", list(history) + [{"role": "user", "content": message}], ""
 
     def edited(history, edit: gr.EditData):
         """The conversation up to the edited user message, which now says what the user wrote."""
@@ -134,7 +135,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
             raise gr.Error(client.error_text(e)) from None
         path = Path(tempfile.mkdtemp(dir=exports.name)) / f"{_file_name(name)}.{kind}"  # (Gradio serves a copy)
         path.write_text(text, encoding="utf-8")
-        return str(path)
+        return gr.update(value=str(path), visible=True)
 
     with gr.Blocks(title="npu-llm chat") as app:
         store = gr.BrowserState(conversations.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
@@ -150,13 +151,13 @@ def build_app(settings: UISettings) -> gr.Blocks:
             with gr.Row():
                 export_md = gr.Button("Export Markdown", size="sm", min_width=0, elem_id="export-markdown")
                 export_json = gr.Button("Export JSON", size="sm", min_width=0, elem_id="export-json")
-            exported = gr.File(label="Export", interactive=False, elem_id="export-file")
+            exported = gr.File(label="Export", interactive=False, visible=False, elem_id="export-file")
 
         gr.Markdown("## npu-llm chat")
         panel = gr.Markdown("**Server** connecting…", elem_id="server-panel")
         with gr.Row():
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=460, editable="user",
+                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, editable="user",
                                      buttons=["copy", "copy_all"])
                 stats = gr.Markdown("", elem_id="reply-stats")
                 message = gr.Textbox(placeholder="Ask something…", show_label=False, elem_id="message")
@@ -198,8 +199,8 @@ def build_app(settings: UISettings) -> gr.Blocks:
             replying.then(**persist_io)
             events.append(replying)
 
-        answer(message.submit(add_user, [message, chatbot], [message, chatbot], queue=False))
-        answer(send.click(add_user, [message, chatbot], [message, chatbot], queue=False))
+        answer(message.submit(add_user, [message, chatbot], [message, chatbot, stats], queue=False))
+        answer(send.click(add_user, [message, chatbot], [message, chatbot, stats], queue=False))
         answer(regenerate.click(before_selected, [chatbot, selected], [chatbot, selected, regenerate], queue=False))
         answer(chatbot.retry(before_reply, chatbot, chatbot, queue=False))
         answer(chatbot.edit(edited, chatbot, chatbot, queue=False))
