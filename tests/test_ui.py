@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from tests.ui_browser import (ARTIFACTS, ask, bot_text, chromium_page, open_ui, reply_done, running_ui,
-                              set_field)
+                              set_field, watch_stats)
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +51,7 @@ def test_reply_streams_with_stats_and_panel(page, triton_server):
 
 
 def test_stop_ends_the_reply_and_the_server_request(page, triton_server):
-    page.locator("#max-tokens input[type=number]").fill("1500")
-    page.locator("#max-tokens input[type=number]").press("Enter")
+    set_field(page, "#max-tokens input[type=number]", "1500")
     ask(page, "Tell me a very long story about a dragon and a knight, with many chapters.")
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
     # the gauges refresh twice a second
@@ -68,8 +67,7 @@ def test_stop_ends_the_reply_and_the_server_request(page, triton_server):
 
 
 def test_gateway_error_shows_as_a_message(page):
-    page.locator("#max-tokens input[type=number]").fill("512")
-    page.locator("#max-tokens input[type=number]").press("Enter")
+    set_field(page, "#max-tokens input[type=number]", "512")
     ask(page, "word " * 9000)  # longer than max_model_len: the gateway answers 400
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('failed')", timeout=60000)
     text = bot_text(page)
@@ -138,9 +136,7 @@ def test_seed_regenerate_clear_and_the_system_prompt(page):
     assert f"prompt {len(prompt)} tokens" in page.locator("#reply-stats").inner_text()
 
     # the same seed: the same reply, generated again (the stats streamed anew) in place of the first
-    page.evaluate("""() => { const stats = document.querySelector('#reply-stats'); window.seenStats = [];
-        new MutationObserver(() => window.seenStats.push(stats.innerText))
-            .observe(stats, {childList: true, subtree: true, characterData: true}); }""")
+    watch_stats(page)
     page.locator("#regenerate").click()
     page.wait_for_function("window.seenStats.some(s => s.includes('streaming'))", timeout=60000)
     reply_done(page)

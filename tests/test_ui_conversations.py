@@ -5,6 +5,7 @@ amounts to; the plots' rendered axes; and errors that say what to do."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from markdown_it import MarkdownIt
@@ -12,7 +13,7 @@ from openai import OpenAI
 
 from tests.conftest import GATEWAY_API_KEY, free_port, start_gateway
 from tests.ui_browser import (ask, bot_text, chat_rows, chromium_page, exported, open_ui, reply_done, running_ui,
-                              set_field)
+                              set_field, watch_stats)
 
 pytestmark = pytest.mark.slow
 
@@ -54,19 +55,21 @@ def wait_row_count(page, count: int) -> None:
                            timeout=30000)
 
 
-def settings_shown(page) -> tuple[str, str, str]:
+def settings_shown(page) -> tuple[str, str, str, str]:
     return (page.locator("#system-prompt textarea").input_value(),
             page.locator("#temperature input[type=number]").input_value(),
-            page.locator("#max-tokens input[type=number]").input_value())
+            page.locator("#max-tokens input[type=number]").input_value(), page.locator("#seed input").input_value())
 
 
-def new_conversation(page, question: str, system: str = "", temperature: str = "0.7", max_tokens: str = "12"):
+def new_conversation(page, question: str, system: str = "", temperature: str = "0.7", max_tokens: str = "12",
+                     seed: str = "-1"):
     """A new chat with these settings, asked one question; returns its messages once the reply is kept."""
     page.locator("#new-chat").click()
     wait_rows(page, [])
     page.locator("#system-prompt textarea").fill(system)
     set_field(page, "#temperature input[type=number]", temperature)
     set_field(page, "#max-tokens input[type=number]", max_tokens)
+    set_field(page, "#seed input", seed)
     ask(page, question)
     reply_done(page)
     page.wait_for_function("q => [...document.querySelectorAll('#conversations label')]"
@@ -79,22 +82,14 @@ def switch_to(page, title: str, rows: list[str]) -> None:
     wait_rows(page, rows)
 
 
-def watch_stats(page) -> None:
-    """Record every text the stats line shows from now on (window.seenStats)."""
-    page.evaluate("""() => { const stats = document.querySelector('#reply-stats'); window.seenStats = [];
-        new MutationObserver(() => window.seenStats.push(stats.innerText))
-            .observe(stats, {childList: true, subtree: true, characterData: true}); }""")
-
-
 def test_conversations_and_their_settings_survive_a_reload_and_a_restart(triton_server, gateway, page, log_dir):
     port = free_port()  # (the same origin after the restart: the same browser storage)
     with running_ui(gateway, triton_server.metrics_url, log_dir, port=port) as url:
         open_ui(page, url)
-        ships = new_conversation(page, "Tell me about ships.", "You are a pirate.", "0.3", "16")
-        eggs = new_conversation(page, "How do I boil an egg?", "You are a chef.", "0.5", "12")
+        ships = new_conversation(page, "Tell me about ships.", "You are a pirate.", "0.3", "16", "7")
+        eggs = new_conversation(page, "How do I boil an egg?", "You are a chef.", "0.5", "12", "11")
         assert listed(page) == ["How do I boil an egg?", "Tell me about ships."]  # newest first
-        page.reload()
-        open_ui(page, url)
+        open_ui(page, url)  # (a reload)
         _both_are_back(page, ships, eggs)
     with running_ui(gateway, triton_server.metrics_url, log_dir, port=port) as url:
         open_ui(page, url)
@@ -104,11 +99,11 @@ def test_conversations_and_their_settings_survive_a_reload_and_a_restart(triton_
 def _both_are_back(page, ships: list[str], eggs: list[str]) -> None:
     wait_listed(page, ["How do I boil an egg?", "Tell me about ships."])
     wait_rows(page, eggs)  # the one open before
-    assert settings_shown(page) == ("You are a chef.", "0.5", "12")
+    assert settings_shown(page) == ("You are a chef.", "0.5", "12", "11")
     switch_to(page, "Tell me about ships.", ships)
-    assert settings_shown(page) == ("You are a pirate.", "0.3", "16")
+    assert settings_shown(page) == ("You are a pirate.", "0.3", "16", "7")
     switch_to(page, "How do I boil an egg?", eggs)
-    assert settings_shown(page) == ("You are a chef.", "0.5", "12")
+    assert settings_shown(page) == ("You are a chef.", "0.5", "12", "11")
 
 
 def test_rename_search_switch_and_delete(ui, page):
@@ -117,7 +112,6 @@ def test_rename_search_switch_and_delete(ui, page):
     new_conversation(page, "Name a mountain.")
     set_field(page, "#title textarea", "Peaks")  # renames the open one
     wait_listed(page, ["Peaks", "Name a river."])
-    page.reload()
     open_ui(page, ui)
     wait_listed(page, ["Peaks", "Name a river."])
 
@@ -131,7 +125,6 @@ def test_rename_search_switch_and_delete(ui, page):
     page.locator("#delete").click()
     wait_listed(page, ["Peaks"])
     wait_rows(page, [])
-    page.reload()
     open_ui(page, ui)
     wait_listed(page, ["Peaks"])
 
@@ -199,20 +192,26 @@ def _axes(page, plot: str) -> dict[str, tuple[str, list[tuple[str, float, float]
                 const box = t.getBoundingClientRect(); return [t.textContent, box.x, box.y]; })]]))""", plot)
 
 
+def _number(label: str) -> float:
+    """A tick label as a number: plain, or with an SI prefix (d3's "~s" format: 500m, 1.2k)."""
+    value, prefix = re.fullmatch(r"(-?[0-9.]+)([mkM]?)", label).groups()
+    return float(value) * {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6}[prefix]
+
+
 def test_the_plots_read_right_as_rendered(ui, page):
     open_ui(page, ui)
     new_conversation(page, "Count from one to twenty.", max_tokens="48")  # (something to plot)
-    page.wait_for_function("document.querySelectorAll('#throughput-plot g.role-axis .role-axis-label text').length",
-                           timeout=30000)
+    # drawn with a rate above 0 (a refresh after the reply)
+    page.wait_for_function("[...document.querySelectorAll('#throughput-plot g.role-axis')].some(g => "
+                           "/^Y-axis.* from 0 to [1-9]/.test(g.getAttribute('aria-label') || ''))", timeout=30000)
     for plot, top in (("#throughput-plot", None), ("#kv-cache-plot", 100)):
         axes = _axes(page, plot)
         (x_axis, x_ticks), (y_axis, y_ticks) = axes["X"], axes["Y"]
         assert "time scale" in x_axis and "linear scale with values from 0" in y_axis, (x_axis, y_axis)
         assert top is None or y_axis.endswith(f"to {top}")
         assert [x for _, x, _ in x_ticks] == sorted(x for _, x, _ in x_ticks)  # time runs left to right
-        values = [float(label) for label, _, _ in y_ticks]  # short numbers, larger further up
-        assert len(values) >= 2 and all(len(label) <= 5 for label, _, _ in y_ticks), y_ticks
-        assert [y for _, _, y in sorted(y_ticks, key=lambda t: float(t[0]))] == sorted(
+        assert len(y_ticks) >= 2 and all(len(label) <= 5 for label, _, _ in y_ticks), y_ticks  # short numbers,
+        assert [y for _, _, y in sorted(y_ticks, key=lambda t: _number(t[0]))] == sorted(  # larger further up
             (y for _, _, y in y_ticks), reverse=True)
 
 
@@ -243,3 +242,24 @@ def test_errors_say_what_to_do(triton_server, gateway, page, log_dir):
         orphan.terminate()
         orphan.wait(15)
     assert "Traceback" not in text
+
+
+def test_a_reply_streaming_when_the_chat_is_switched_stays_with_its_conversation(ui, page, triton_server):
+    open_ui(page, ui)
+    bird = new_conversation(page, "Name a bird.")
+    question = "Tell me a long dragon story."
+    new_conversation(page, question, max_tokens="8")
+    set_field(page, "#max-tokens input[type=number]", "1500")
+    ask(page, "Make it much longer, with many chapters.")
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
+    switch_to(page, "Name a bird.", bird)  # while it streams: it stops, on the server too
+    assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
+    assert chat_rows(page) == bird  # (no token of the story came after the switch)
+
+    page.locator("#conversations label").filter(has_text=question).click()
+    page.wait_for_function("n => document.querySelectorAll('#chatbot .message-row').length === n", arg=4,
+                           timeout=30000)
+    story = chat_rows(page)
+    assert story[2] == "Make it much longer, with many chapters." and story[3]  # what it had streamed, kept
+    open_ui(page, ui)
+    switch_to(page, question, story)

@@ -51,8 +51,8 @@ def chromium_page():
 
 
 def open_ui(page, url: str) -> None:
-    """The UI loaded and its load events answered (the server panel filled in). Not "networkidle": the page holds
-    a heartbeat stream open for its session state."""
+    """The UI (re)loaded, its conversations restored from the browser's storage: the server panel fills in after
+    that. Not "networkidle": the page holds a heartbeat stream open for its session state."""
     page.goto(url, wait_until="load")
     page.wait_for_function("(p => p && !p.innerText.includes('connecting'))(document.querySelector('#server-panel'))",
                            timeout=60000)
@@ -78,10 +78,18 @@ def chat_rows(page) -> list[str]:
 
 def reply_done(page) -> str:
     """The reply, once its stats line says it is complete (or the chat says the request failed)."""
-    page.wait_for_function("(s => s.includes('failed') || (s.includes('TTFT') && !s.includes('streaming')))"
-                           "(document.querySelector('#reply-stats').innerText)", timeout=120000)
+    page.wait_for_function("(s => s.includes('failed') || ((s.includes('TTFT') || s.includes('no tokens')) && "
+                           "!s.includes('streaming')))(document.querySelector('#reply-stats').innerText)",
+                           timeout=120000)
     assert "failed" not in page.locator("#reply-stats").inner_text(), bot_text(page)
     return bot_text(page)
+
+
+def watch_stats(page) -> None:
+    """Record every text the stats line shows from now on (window.seenStats)."""
+    page.evaluate("""() => { const stats = document.querySelector('#reply-stats'); window.seenStats = [];
+        new MutationObserver(() => window.seenStats.push(stats.innerText))
+            .observe(stats, {childList: true, subtree: true, characterData: true}); }""")
 
 
 def set_field(page, field: str, value: str) -> None:

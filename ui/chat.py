@@ -13,6 +13,7 @@ The server panel and the plots refresh from Triton's /metrics every few seconds 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,10 +27,9 @@ from openai import OpenAIError
 from ui import conversations
 from ui.chat_client import ChatClient, chat_request
 from ui.conversations import SETTINGS
-from ui.messages import before_reply, is_thought, settled, text_of
-from ui.server_metrics import HISTORY_S, ServerMetrics
+from ui.messages import before_reply, is_thought, note, settled, text_of
+from ui.server_metrics import HISTORY_S, REFRESH_S, ServerMetrics
 
-REFRESH_S = 3.0
 STORE_KEY = "npu-llm-conversations"
 # BrowserState encrypts what it stores with this key, which the page itself carries, so it hides nothing; a key
 # drawn anew at each start (Gradio's default) would leave the stored conversations unreadable after a restart.
@@ -44,113 +44,183 @@ class UISettings:
     api_key: str | None = None
 
 
+class Session:
+    """One page's side of the UI, in a gr.State (Gradio hands every event of a browser session the same object).
+
+    `store` holds the page's conversations while it is open: the handlers (async, so one at a time on the event
+    loop) change it, not the browser's copy as it stood when their event fired, and the browser's storage mirrors
+    it. `reply` counts who took the chat last: a reply streams only while no later event took it (another reply,
+    a switch, a new chat, a delete, Clear, Stop). `selected` is the message chosen for Regenerate.
+    """
+
+    def __init__(self):
+        self.store = conversations.empty_store()
+        self.reply = 0
+        self.selected: int | None = None
+
+    def take_chat(self) -> int:
+        self.reply += 1
+        self.selected = None
+        return self.reply
+
+
+def _settings(values) -> dict:
+    return dict(zip(SETTINGS, values))
+
+
 def build_app(settings: UISettings) -> gr.Blocks:
     client = ChatClient(settings.gateway_url, settings.api_key)
     metrics = ServerMetrics(settings.metrics_url)
-    exports = tempfile.TemporaryDirectory(prefix="npu-llm-exports-")  # (removed when the UI exits)
+    # (small files, left to the system's temporary-file cleaning: Gradio serves copies from its own cache)
+    exports = Path(tempfile.mkdtemp(prefix="npu-llm-exports-"))
 
-    async def respond(history, *values):
+    async def respond(session, history, *values):
         asked = list(history)
         if not asked or asked[-1]["role"] != "user":
             yield gr.skip(), gr.skip()  # (nothing to answer)
             return
-        reply = [{"role": "assistant", "content": ""}]
+        turn = session.take_chat()
+        reply = []
         try:
-            async for reply, stats in client.stream_reply(asked, dict(zip(SETTINGS, values))):
-                yield asked + reply, stats
+            async with contextlib.aclosing(client.stream_reply(asked, _settings(values))) as replies:
+                async for reply, stats in replies:
+                    if session.reply != turn:
+                        return  # the chat was taken: closing the stream cancels the request on the server
+                    yield asked + reply, stats
         except (OpenAIError, OSError, ValueError) as e:
-            thoughts = settled([m for m in reply if is_thought(m)])  # what it had thought stays
-            failed = {"role": "assistant", "content": f"⚠️ {client.error_text(e)}"}
-            yield asked + thoughts + [failed], "request failed"
+            if session.reply == turn:
+                thoughts = settled([m for m in reply if is_thought(m)])  # what it had thought stays
+                yield asked + thoughts + [note(client.error_text(e))], "request failed"
 
-    def add_user(message, history):
-        """The message into the chat, and the stats line emptied for its reply."""
-        if not message.strip():
-            return "", history, gr.skip()
-        return "", list(history) + [{"role": "user", "content": message}], ""
-
-    def edited(history, edit: gr.EditData):
-        """The conversation up to the edited user message, which now says what the user wrote."""
-        return list(history[:edit.index]) + [{"role": "user", "content": text_of(edit.value)}]
-
-    def settle_thoughts(history):
-        now = settled(history)
-        return now if now != history else gr.skip()  # (nothing was thinking: nothing to redraw)
-
-    def select_message(select: gr.SelectData):
-        chosen = select.index if select.selected else None
-        return chosen, gr.update(value=REGENERATE if chosen is None else REGENERATE_SELECTED)
-
-    def before_selected(history, selected):
-        """Regenerate: the selected message's reply (the last one's, with none selected), later turns dropped."""
-        index = selected if selected is not None and selected < len(history) else None
-        return before_reply(history, index), None, gr.update(value=REGENERATE)
-
-    # The store (the browser's) and what shows its current conversation ----------------------------------------
+    # What shows the store's current conversation -----------------------------------------------------------------
     def sidebar(store, query=""):
         """The conversation list: the titles that hold the query, newest first, the current one chosen."""
         choices = conversations.listing(store, query)
         chosen = store["current"] if any(cid == store["current"] for _, cid in choices) else None
         return gr.update(choices=choices, value=chosen)
 
-    def shown(store) -> list:
-        """[chatbot, title, stats, selected, regenerate, *settings] for the current conversation (a new chat:
-        empty, with the settings left as they are)."""
+    def on_screen(store) -> list:
+        """[chatbot, title, stats, regenerate, *settings] for the current conversation (a new chat: empty, with the
+        settings left as they are)."""
         conversation = conversations.current(store)
-        fresh = ["", None, gr.update(value=REGENERATE)]
         if conversation is None:
-            return [[], ""] + fresh + [gr.skip()] * len(SETTINGS)
+            return [[], "", "", REGENERATE] + [gr.skip()] * len(SETTINGS)
         kept = conversation["settings"]
-        return ([conversation["messages"], conversations.title(conversation)] + fresh
+        return ([conversation["messages"], conversations.title(conversation), "", REGENERATE]
                 + [kept[name] if name in kept else gr.skip() for name in SETTINGS])
 
-    def persist(store, history, query, *values):
-        store = conversations.saved(store, history, dict(zip(SETTINGS, values)))
-        current = conversations.current(store)
-        return store, sidebar(store, query), conversations.title(current) if current else ""
+    def saved(session, history, query, values) -> list:
+        """[browser store, list, title] once the current conversation is kept as the chat and the settings are."""
+        before = conversations.title(conversations.current(session.store))
+        session.store = conversations.saved(session.store, settled(history), _settings(values))
+        after = conversations.title(conversations.current(session.store))
+        # (the title box only when the title changed: the user may be typing a new one)
+        return [session.store, sidebar(session.store, query), after if after != before else gr.skip()]
 
-    def restore(store, query):
-        return [sidebar(store, query)] + shown(store)
+    async def persist(session, history, query, *values):
+        return saved(session, history, query, values)
 
-    def switch(store, chosen, history, query, *values):
-        store = conversations.switched(conversations.saved(store, history, dict(zip(SETTINGS, values))), chosen)
-        return [store, sidebar(store, query)] + shown(store)
+    async def restore(session, stored, query):
+        session.store = conversations.loaded(stored)
+        return [sidebar(session.store, query)] + on_screen(session.store)
 
-    def rename_current(store, title, query):
-        store = conversations.renamed(store, title)
-        return store, sidebar(store, query), conversations.title(conversations.current(store))
+    async def switch(session, chosen, history, query, *values):
+        session.take_chat()
+        saved(session, history, query, values)  # (the one left, as it was: a reply cut short stays)
+        session.store = conversations.switched(session.store, chosen)
+        return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
-    def delete_current(store, query):
-        store = conversations.deleted(store)
-        return [store, sidebar(store, query)] + shown(store)
+    async def start_new(session, history, query, *values):
+        return await switch(session, None, history, query, *values)
 
-    def export(kind, store, history, *values):
+    async def rename_current(session, title, query):
+        if conversations.current(session.store) is None:
+            gr.Info("A new chat is kept, and can be renamed, from its first message.")
+            return gr.skip(), gr.skip(), ""
+        session.store = conversations.renamed(session.store, title)
+        return session.store, sidebar(session.store, query), conversations.title(conversations.current(session.store))
+
+    async def delete_current(session, query):
+        session.take_chat()
+        session.store = conversations.deleted(session.store)
+        return [session.store, sidebar(session.store, query)] + on_screen(session.store)
+
+    # The chat ----------------------------------------------------------------------------------------------------
+    async def add_user(session, message, history, query, *values):
+        """The message into the chat (kept at once), the stats line emptied for its reply."""
+        if not message.strip():
+            return ["", gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+        session.take_chat()
+        history = settled(history) + [{"role": "user", "content": message}]
+        return ["", history, "", REGENERATE] + saved(session, history, query, values)
+
+    async def generate_anew(session, history):
+        """[chatbot, stats, regenerate]: the chat up to where the next reply starts, the stats emptied for it."""
+        session.take_chat()
+        return history, "", REGENERATE
+
+    async def edited(session, history, edit: gr.EditData):
+        """Up to the edited user message, which now says what the user wrote (an emptied one is left as it was)."""
+        text = text_of(edit.value)
+        kept = history if not text.strip() else list(history[:edit.index]) + [{"role": "user", "content": text}]
+        return await generate_anew(session, kept)
+
+    async def regenerate_selected(session, history):
+        """The selected message's reply (the last one's, with none selected), later turns dropped."""
+        index = session.selected if session.selected is not None and session.selected < len(history) else None
+        return await generate_anew(session, before_reply(history, index))
+
+    async def retry_last(session, history):
+        return await generate_anew(session, before_reply(history))
+
+    async def select_message(session, select: gr.SelectData):
+        """A click on a message chooses it for Regenerate; a second click on it, none."""
+        session.selected = None if session.selected == select.index else select.index
+        return REGENERATE if session.selected is None else REGENERATE_SELECTED
+
+    async def stop_reply(session, stats, history):
+        session.take_chat()
+        if "streaming" in stats:  # (and only then)
+            stats = f"{stats.replace(' · streaming…', '')} · stopped"
+        return stats, settled(history)  # (no thought left "thinking")
+
+    async def clear_chat(session):
+        session.take_chat()
+        return [], "", REGENERATE
+
+    async def export(kind, session, history, *values):
         """A file of the conversation on the screen: Markdown, or JSON (the chat request it amounts to)."""
-        chosen = dict(zip(SETTINGS, values))
-        name = conversations.title(conversations.current(store) or {"messages": history})
+        chosen = _settings(values)
+        name = conversations.title(conversations.current(session.store) or {"messages": history})
         try:
-            text = (conversations.as_markdown(name, history, chosen) if kind == "md" else
-                    json.dumps(chat_request(client.model(), history, chosen), indent=2, ensure_ascii=False) + "\n")
+            text = (conversations.as_markdown(name, history, chosen) if kind == "md" else json.dumps(
+                chat_request(await client.model(), history, chosen), indent=2, ensure_ascii=False) + "\n")
         except (OpenAIError, OSError, ValueError) as e:
             raise gr.Error(client.error_text(e)) from None
-        path = Path(tempfile.mkdtemp(dir=exports.name)) / f"{_file_name(name)}.{kind}"  # (Gradio serves a copy)
+        path = Path(tempfile.mkdtemp(dir=exports)) / f"{_file_name(name)}.{kind}"
         path.write_text(text, encoding="utf-8")
         return gr.update(value=str(path), visible=True)
 
+    async def export_markdown(session, history, *values):
+        return await export("md", session, history, *values)
+
+    async def export_json(session, history, *values):
+        return await export("json", session, history, *values)
+
     with gr.Blocks(title="npu-llm chat") as app:
-        store = gr.BrowserState(conversations.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
-        selected = gr.State(None)  # the chat message chosen for Regenerate (None: the last reply)
+        stored = gr.BrowserState(conversations.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
+        session = gr.State(Session())
         with gr.Sidebar(label="Conversations", elem_id="sidebar"):
             new_chat = gr.Button("New chat", variant="primary", elem_id="new-chat")
             search = gr.Textbox(placeholder="Search titles…", show_label=False, elem_id="search")
-            listing = gr.Radio([], label="Conversations", elem_id="conversations")
-            title = gr.Textbox(label="Title (Enter renames)", elem_id="title")
+            conversation_list = gr.Radio([], label="Conversations", elem_id="conversations")
+            title_box = gr.Textbox(label="Title (Enter renames)", elem_id="title")
             with gr.Row():
                 rename = gr.Button("Rename", size="sm", min_width=0, elem_id="rename")
                 delete = gr.Button("Delete", size="sm", variant="stop", min_width=0, elem_id="delete")
             with gr.Row():
                 export_md = gr.Button("Export Markdown", size="sm", min_width=0, elem_id="export-markdown")
-                export_json = gr.Button("Export JSON", size="sm", min_width=0, elem_id="export-json")
+                export_js = gr.Button("Export JSON", size="sm", min_width=0, elem_id="export-json")
             exported = gr.File(label="Export", interactive=False, visible=False, elem_id="export-file")
 
         gr.Markdown("## npu-llm chat")
@@ -185,50 +255,56 @@ def build_app(settings: UISettings) -> gr.Blocks:
                 tools = gr.Textbox(label="Tools (OpenAI tools list, optional)", lines=3, elem_id="tools",
                                    placeholder='[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
                 tool_choice = gr.Radio(["auto", "required"], value="auto", label="Tool choice", elem_id="tool-choice")
+        timer = gr.Timer(REFRESH_S, active=False)  # (started once the conversations are restored)
 
         settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice]
         assert len(settings_inputs) == len(SETTINGS)
-        persist_io = dict(fn=persist, inputs=[store, chatbot, search, *settings_inputs],
-                          outputs=[store, listing, title], show_progress="hidden")
-        shown_outputs = [chatbot, title, stats, selected, regenerate, *settings_inputs]
+        kept = [stored, conversation_list, title_box]  # what saved() answers
+        # (the quick handlers skip the queue; those that take the chat from a streaming reply queue behind its
+        # updates, which reach the page in order)
+        persist_io = dict(fn=persist, inputs=[session, chatbot, search, *settings_inputs], outputs=kept,
+                          show_progress="hidden", queue=False)
+        screen = [chatbot, title_box, stats, regenerate, *settings_inputs]  # what on_screen() answers
         events = []
 
         def answer(trigger):
             """The reply to the chat as `trigger` left it, streamed, then kept in the store."""
-            replying = trigger.then(respond, [chatbot, *settings_inputs], [chatbot, stats])
+            replying = trigger.then(respond, [session, chatbot, *settings_inputs], [chatbot, stats])
             replying.then(**persist_io)
             events.append(replying)
 
-        answer(message.submit(add_user, [message, chatbot], [message, chatbot, stats], queue=False))
-        answer(send.click(add_user, [message, chatbot], [message, chatbot, stats], queue=False))
-        answer(regenerate.click(before_selected, [chatbot, selected], [chatbot, selected, regenerate], queue=False))
-        answer(chatbot.retry(before_reply, chatbot, chatbot, queue=False))
-        answer(chatbot.edit(edited, chatbot, chatbot, queue=False))
-        chatbot.select(select_message, None, [selected, regenerate], queue=False)
-        # Label the reply once the cancellation went through (queued behind it, not racing it).
-        stop.click(None, cancels=events, queue=False).then(
-            lambda s: f"{s.replace(' · streaming…', '')} · stopped", stats, stats).then(
-            settle_thoughts, chatbot, chatbot, show_progress="hidden").then(  # (no loading overlay on the reply)
-            **persist_io)
-        clear.click(lambda: ([], ""), None, [chatbot, stats], cancels=events).then(**persist_io)
-        chatbot.clear(lambda: "", None, stats, cancels=events).then(**persist_io)  # (its own bin icon)
+        asked = dict(fn=add_user, inputs=[session, message, chatbot, search, *settings_inputs],
+                     outputs=[message, chatbot, stats, regenerate, *kept], queue=False)
+        answer(message.submit(**asked))
+        answer(send.click(**asked))
+        anew = [chatbot, stats, regenerate]
+        answer(regenerate.click(regenerate_selected, [session, chatbot], anew, queue=False))
+        answer(chatbot.retry(retry_last, [session, chatbot], anew, queue=False))
+        answer(chatbot.edit(edited, [session, chatbot], anew, queue=False))
+        chatbot.select(select_message, session, regenerate, queue=False)
+        # (taking the chat first stops the reply's updates; the cancellation then closes its stream)
+        stop.click(stop_reply, [session, stats, chatbot], [stats, chatbot], cancels=events).then(**persist_io)
+        clear.click(clear_chat, session, anew, cancels=events).then(**persist_io)
+        chatbot.clear(clear_chat, session, anew, cancels=events).then(**persist_io)  # (its own bin icon)
         # A setting belongs to the conversation it is changed in; text boxes are kept when left, not per key.
-        gr.on([c.blur if isinstance(c, gr.Textbox) else c.change for c in settings_inputs], **persist_io)
+        gr.on([c.blur if isinstance(c, gr.Textbox) else c.change for c in settings_inputs], trigger_mode="always_last",
+              **persist_io)
 
-        new_chat.click(lambda s, h, q, *v: switch(s, None, h, q, *v), [store, chatbot, search, *settings_inputs],
-                       [store, listing, *shown_outputs], cancels=events)
-        listing.input(switch, [store, listing, chatbot, search, *settings_inputs],
-                      [store, listing, *shown_outputs], cancels=events)
-        gr.on([rename.click, title.submit], rename_current, [store, title, search], [store, listing, title])
-        delete.click(delete_current, [store, search], [store, listing, *shown_outputs], cancels=events)
-        search.change(sidebar, [store, search], listing, queue=False)
-        export_md.click(lambda *a: export("md", *a), [store, chatbot, *settings_inputs], exported)
-        export_json.click(lambda *a: export("json", *a), [store, chatbot, *settings_inputs], exported)
+        new_chat.click(start_new, [session, chatbot, search, *settings_inputs], [stored, conversation_list, *screen],
+                       cancels=events)
+        conversation_list.input(switch, [session, conversation_list, chatbot, search, *settings_inputs],
+                                [stored, conversation_list, *screen], cancels=events)
+        gr.on([rename.click, title_box.submit], rename_current, [session, title_box, search], kept, queue=False)
+        delete.click(delete_current, [session, search], [stored, conversation_list, *screen], cancels=events)
+        search.change(lambda s, q: sidebar(s.store, q), [session, search], conversation_list, queue=False)
+        export_md.click(export_markdown, [session, chatbot, *settings_inputs], exported)
+        export_js.click(export_json, [session, chatbot, *settings_inputs], exported)
 
-        timer = gr.Timer(REFRESH_S)
-        timer.tick(metrics.refresh, None, [panel, throughput_plot, kv_plot])
-        app.load(metrics.refresh, None, [panel, throughput_plot, kv_plot])
-        app.load(restore, [store, search], [listing, *shown_outputs])
+        refresh = [panel, throughput_plot, kv_plot]
+        timer.tick(metrics.refresh, None, refresh)
+        # the panel fills in once the conversations are back (which is how a test knows the page is ready)
+        app.load(restore, [session, stored, search], [conversation_list, *screen]).then(
+            lambda: (*metrics.refresh(), gr.Timer(active=True)), None, [*refresh, timer])
     return app
 
 

@@ -6,7 +6,7 @@ import json
 import time
 
 import openai
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 
 from ui.messages import as_openai, reply_text, shown
 
@@ -14,16 +14,15 @@ from ui.messages import as_openai, reply_text, shown
 class ChatClient:
     def __init__(self, gateway_url: str, api_key: str | None):
         self.gateway_url = gateway_url
-        client_args = dict(base_url=f"{gateway_url}/v1", api_key=api_key or "unused", max_retries=0, timeout=300)
-        self.client = OpenAI(**client_args)
-        # Replies stream through the async client: Stop cancels the task awaiting it, which closes the
-        # HTTP stream at once (a sync generator would linger in its worker thread until collected).
-        self.async_client = AsyncOpenAI(**client_args)
+        # Async: Stop cancels the task awaiting a reply, which closes the HTTP stream at once (a sync generator would
+        # linger in its worker thread until collected), and no call holds the event loop the UI's handlers share.
+        self.client = AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key=api_key or "unused", max_retries=0,
+                                  timeout=300)
         self._model: str | None = None
 
-    def model(self) -> str:
+    async def model(self) -> str:
         if self._model is None:
-            self._model = self.client.models.list().data[0].id
+            self._model = (await self.client.models.list()).data[0].id
         return self._model
 
     async def stream_reply(self, history: list[dict], settings: dict):
@@ -32,8 +31,8 @@ class ChatClient:
         start, first, text, reasoning, chunks = time.perf_counter(), None, "", "", 0
         tokens = prompt_tokens = None
         calls: dict[int, dict] = {}  # the tool calls streamed so far, by index
-        stream = await self.async_client.chat.completions.create(
-            **chat_request(self.model(), history, settings), stream=True, stream_options={"include_usage": True})
+        stream = await self.client.chat.completions.create(
+            **chat_request(await self.model(), history, settings), stream=True, stream_options={"include_usage": True})
         try:
             async for chunk in stream:
                 if chunk.usage is not None:  # the exact counts, in the last chunk
@@ -101,7 +100,7 @@ def chat_request(model: str, history: list[dict], settings: dict) -> dict:
             request["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "reply", "schema": _json(settings["schema"], "the schema")}}
     if settings["tools"].strip():
-        request["tools"] = _json(settings["tools"], "the tools")
+        request["tools"] = _json(settings["tools"], "the tools list")
         request["tool_choice"] = settings["tool_choice"]
     return request
 
@@ -117,7 +116,7 @@ def stats(start: float, first: float | None, tokens: int | None, streaming: bool
           prompt_tokens: int | None = None) -> str:
     """The stats line under the chat: time to first token, tokens, tokens/s, and the prompt's size."""
     if first is None:
-        return "waiting for the first token…"
+        return "waiting for the first token…" if streaming else "no tokens: the model ended at once"
     ttft = first - start
     elapsed = time.perf_counter() - first
     parts = [f"TTFT {ttft:.2f} s"]

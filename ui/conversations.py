@@ -43,14 +43,27 @@ def listing(store: dict, query: str = "") -> list[tuple[str, str]]:
     return [(title(c), c["id"]) for c in newest_first if query in title(c).lower()]
 
 
+def loaded(value) -> dict:
+    """The store as the browser handed it back, or an empty one where it is not one (another app's, or damaged)."""
+    try:
+        kept = [c for c in value["conversations"]
+                if isinstance(c["id"], str) and isinstance(c["messages"], list) and isinstance(c["settings"], dict)
+                and isinstance(c.get("title", ""), str) and isinstance(c["updated"], (int, float))]
+        return {"current": value["current"] if isinstance(value["current"], str) else None, "conversations": kept}
+    except (KeyError, TypeError):
+        return empty_store()
+
+
 def saved(store: dict, messages: list[dict], settings: dict) -> dict:
     """The store with the current conversation's messages and settings as they are now. A new chat becomes a
-    conversation with its first message; one whose messages changed moves to the top of the list."""
+    conversation with its first message, one whose messages changed moves to the top of the list, and an empty
+    one (new, or cleared) is not kept."""
     store = copy.deepcopy(store)
     conversation = current(store)
+    if not messages:
+        store["conversations"] = [c for c in store["conversations"] if c is not conversation]
+        return store
     if conversation is None:
-        if not messages:
-            return store  # (an empty new chat is not kept)
         conversation = {"id": uuid.uuid4().hex[:12], "title": "", "messages": [], "settings": {}, "updated": 0.0}
         store["conversations"].append(conversation)
         store["current"] = conversation["id"]

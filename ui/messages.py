@@ -3,7 +3,7 @@ hands back as a list of parts ([{"type": "text", "text": ...}]) even where it wa
 
 A reply is a thought (the model's reasoning, a message with a metadata title, which the chatbot folds away once
 its status is done) and then the answer. The thoughts stay on the screen only: the model is sent the conversation
-without them, as OpenAI's API expects earlier turns.
+without them, as OpenAI's API expects earlier turns; so do the UI's own notes (an error in place of a reply).
 """
 from __future__ import annotations
 
@@ -16,6 +16,16 @@ def is_thought(message: dict) -> bool:
     return bool((message.get("metadata") or {}).get("title"))
 
 
+def note(text: str) -> dict:
+    """A message of the UI's own (an error, say): shown as the assistant's, but never sent or exported as one."""
+    return {"role": "assistant", "content": f"⚠️ {text}", "metadata": {"log": "note"}}
+
+
+def is_shown_only(message: dict) -> bool:
+    """A thought or a note: on the screen, not in what the model is sent."""
+    return is_thought(message) or (message.get("metadata") or {}).get("log") == "note"
+
+
 def text_of(content) -> str:
     """A message's text, from a string or the chatbot's list of parts."""
     if isinstance(content, str):
@@ -24,9 +34,10 @@ def text_of(content) -> str:
 
 
 def as_openai(history: list[dict], system: str) -> list[dict]:
-    """The conversation as OpenAI chat messages: the system prompt (if any), then each turn without its thoughts."""
+    """The conversation as OpenAI chat messages: the system prompt (if any), then each turn without its thoughts
+    (and without the UI's notes)."""
     return ([{"role": "system", "content": system}] if system.strip() else []) + [
-        {"role": m["role"], "content": text_of(m["content"])} for m in history if not is_thought(m)]
+        {"role": m["role"], "content": text_of(m["content"])} for m in history if not is_shown_only(m)]
 
 
 def shown(reasoning: str, answer: str, thinking: bool) -> list[dict]:

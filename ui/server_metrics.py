@@ -15,6 +15,7 @@ import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
 HISTORY_S = 300
+REFRESH_S = 3.0
 
 
 class Sample(NamedTuple):
@@ -52,8 +53,10 @@ class ServerMetrics:
         labels = engines[0].labels if engines else {}
         devices = ", ".join(engine.labels.get("device", "?") for engine in engines) or "?"
         now = time.time()
-        # (the parser strips _total from counters)
-        self.samples.append(Sample(now, total("vllm:generation_tokens"), mean("vllm:kv_cache_usage_perc")))
+        # Every open page refreshes on its own timer: samples closer than half a period would make rates of noise.
+        if not self.samples or now - self.samples[-1].time >= REFRESH_S / 2:
+            # (the parser strips _total from counters)
+            self.samples.append(Sample(now, total("vllm:generation_tokens"), mean("vllm:kv_cache_usage_perc")))
         while self.samples and self.samples[0].time < now - HISTORY_S:
             self.samples.popleft()
         panel = (
@@ -66,10 +69,11 @@ class ServerMetrics:
         return panel, self.throughput(), self.kv_cache()
 
     def throughput(self) -> pd.DataFrame:
-        """Generation tokens/s between successive samples, at clock time."""
+        """Generation tokens/s between successive samples, at clock time (none across a restarted server's reset
+        counter)."""
         points = list(self.samples)
         pairs = [(b.time, (b.generation_tokens - a.generation_tokens) / (b.time - a.time))
-                 for a, b in zip(points, points[1:]) if b.time > a.time]
+                 for a, b in zip(points, points[1:]) if b.time > a.time and b.generation_tokens >= a.generation_tokens]
         return _frame([t for t, _ in pairs], "tokens/s", [rate for _, rate in pairs])
 
     def kv_cache(self) -> pd.DataFrame:
