@@ -263,3 +263,19 @@ def test_a_reply_streaming_when_the_chat_is_switched_stays_with_its_conversation
     assert story[2] == "Make it much longer, with many chapters." and story[3]  # what it had streamed, kept
     open_ui(page, ui)
     switch_to(page, question, story)
+
+
+def test_a_question_sent_while_a_reply_streams_takes_the_chat(ui, page, triton_server):
+    open_ui(page, ui)
+    new_conversation(page, "Name a tree.", max_tokens="8")
+    set_field(page, "#max-tokens input[type=number]", "1500")
+    ask(page, "Tell me a very long story about a forest, with many chapters.")
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
+    set_field(page, "#max-tokens input[type=number]", "8")
+    ask(page, "Name a flower.")  # the story stops where it was, and the flower is answered
+    reply_done(page)
+    rows = chat_rows(page)
+    assert len(rows) == 6 and rows[3] and rows[4] == "Name a flower." and rows[5], rows
+    assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
+    open_ui(page, ui)
+    wait_rows(page, rows)  # all of it kept

@@ -35,6 +35,7 @@ STORE_KEY = "npu-llm-conversations"
 # drawn anew at each start (Gradio's default) would leave the stored conversations unreadable after a restart.
 STORE_SECRET = "npu-llm-chat-conversations"
 REGENERATE, REGENERATE_SELECTED = "Regenerate", "Regenerate selected"
+SKIP = gr.skip()  # (an output left as it is)
 
 
 @dataclass
@@ -47,21 +48,35 @@ class UISettings:
 class Session:
     """One page's side of the UI, in a gr.State (Gradio hands every event of a browser session the same object).
 
-    `store` holds the page's conversations while it is open: the handlers (async, so one at a time on the event
-    loop) change it, not the browser's copy as it stood when their event fired, and the browser's storage mirrors
-    it. `reply` counts who took the chat last: a reply streams only while no later event took it (another reply,
-    a switch, a new chat, a delete, Clear, Stop). `selected` is the message chosen for Regenerate.
+    `store` holds the page's conversations while it is open: loaded once from the browser's storage (at the page's
+    load, or at the first event of a session the server does not know, after a restart of the UI), then changed by
+    the handlers (async, so one at a time on the event loop) and mirrored back to the browser. `reply` counts who
+    took the chat last: a reply streams only while no later event took it (another reply, a switch, a new chat, a
+    delete, Clear, Stop); `streamed` is its latest messages, newer than the page's copy when an event fires.
+    `selected` is the message chosen for Regenerate.
     """
 
     def __init__(self):
         self.store = conversations.empty_store()
+        self.restored = False
         self.reply = 0
+        self.streamed: tuple[int, list[dict]] | None = None
         self.selected: int | None = None
+
+    def restore(self, stored) -> None:
+        if not self.restored:
+            self.store, self.restored = conversations.loaded(stored), True
 
     def take_chat(self) -> int:
         self.reply += 1
         self.selected = None
         return self.reply
+
+    def chat(self, history: list[dict]) -> list[dict]:
+        """The chat as it stands: the streaming reply's latest messages, while one streams, else the page's."""
+        if self.streamed is not None and self.streamed[0] == self.reply:
+            return self.streamed[1]
+        return history
 
 
 def _settings(values) -> dict:
@@ -74,23 +89,31 @@ def build_app(settings: UISettings) -> gr.Blocks:
     # (small files, left to the system's temporary-file cleaning: Gradio serves copies from its own cache)
     exports = Path(tempfile.mkdtemp(prefix="npu-llm-exports-"))
 
-    async def respond(session, history, *values):
-        asked = list(history)
-        if not asked or asked[-1]["role"] != "user":
-            yield gr.skip(), gr.skip()  # (nothing to answer)
-            return
+    async def stream(session, asked, query, values, shown_first: list):
+        """The chat's next reply: yields [message box, chatbot, stats, Regenerate, *kept]. First the chat up to the
+        question (kept at once, the stats emptied for the reply; `shown_first` are the message box's and
+        Regenerate's values), then the reply as it streams, then the reply kept. Once another event took the chat
+        it stops, and leaves the screen and the store to that event."""
         turn = session.take_chat()
-        reply = []
+        yield [shown_first[0], asked, "", shown_first[1], *saved(session, asked, query, values)]
+        if not asked or asked[-1]["role"] != "user":
+            return  # (nothing to answer)
+        reply, stats = [], ""
         try:
             async with contextlib.aclosing(client.stream_reply(asked, _settings(values))) as replies:
                 async for reply, stats in replies:
                     if session.reply != turn:
-                        return  # the chat was taken: closing the stream cancels the request on the server
-                    yield asked + reply, stats
+                        break  # (closing the stream cancels the request on the server)
+                    session.streamed = (turn, asked + reply)
+                    yield [SKIP, asked + reply, stats, SKIP, SKIP, SKIP, SKIP]
         except (OpenAIError, OSError, ValueError) as e:
-            if session.reply == turn:
-                thoughts = settled([m for m in reply if is_thought(m)])  # what it had thought stays
-                yield asked + thoughts + [note(client.error_text(e))], "request failed"
+            reply = settled([m for m in reply if is_thought(m)]) + [note(client.error_text(e))]  # its thoughts stay
+            stats = "request failed"
+        if session.reply != turn:
+            yield [SKIP] * 7  # (Gradio repeats a generator's last output when it ends: this one changes nothing)
+            return
+        session.streamed = None
+        yield [SKIP, asked + reply, stats, SKIP, *saved(session, asked + reply, query, values)]
 
     # What shows the store's current conversation -----------------------------------------------------------------
     def sidebar(store, query=""):
@@ -117,76 +140,91 @@ def build_app(settings: UISettings) -> gr.Blocks:
         # (the title box only when the title changed: the user may be typing a new one)
         return [session.store, sidebar(session.store, query), after if after != before else gr.skip()]
 
-    async def persist(session, history, query, *values):
-        return saved(session, history, query, values)
+    async def persist(session, stored, history, query, *values):
+        session.restore(stored)
+        return saved(session, session.chat(history), query, values)
 
     async def restore(session, stored, query):
-        session.store = conversations.loaded(stored)
-        return [sidebar(session.store, query)] + on_screen(session.store)
+        session.restore(stored)
+        # (the session as an output: Gradio then expires it with the page)
+        return [session, sidebar(session.store, query)] + on_screen(session.store)
 
-    async def switch(session, chosen, history, query, *values):
+    async def switch(session, stored, chosen, history, query, *values):
+        session.restore(stored)
+        saved(session, session.chat(history), query, values)  # (the one left: a reply cut short stays with it)
         session.take_chat()
-        saved(session, history, query, values)  # (the one left, as it was: a reply cut short stays)
         session.store = conversations.switched(session.store, chosen)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
-    async def start_new(session, history, query, *values):
-        return await switch(session, None, history, query, *values)
+    async def start_new(session, stored, history, query, *values):
+        return await switch(session, stored, None, history, query, *values)
 
-    async def rename_current(session, title, query):
+    async def rename_current(session, stored, title, query):
+        session.restore(stored)
         if conversations.current(session.store) is None:
             gr.Info("A new chat is kept, and can be renamed, from its first message.")
             return gr.skip(), gr.skip(), ""
         session.store = conversations.renamed(session.store, title)
         return session.store, sidebar(session.store, query), conversations.title(conversations.current(session.store))
 
-    async def delete_current(session, query):
+    async def delete_current(session, stored, query):
+        session.restore(stored)
         session.take_chat()
         session.store = conversations.deleted(session.store)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
     # The chat ----------------------------------------------------------------------------------------------------
-    async def add_user(session, message, history, query, *values):
-        """The message into the chat (kept at once), the stats line emptied for its reply."""
+    async def send_message(session, stored, message, history, query, *values):
         if not message.strip():
-            return ["", gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
-        session.take_chat()
-        history = settled(history) + [{"role": "user", "content": message}]
-        return ["", history, "", REGENERATE] + saved(session, history, query, values)
+            yield [SKIP] * 7
+            return
+        session.restore(stored)
+        asked = settled(session.chat(history)) + [{"role": "user", "content": message}]
+        async for shown in stream(session, asked, query, values, ["", REGENERATE]):
+            yield shown
 
-    async def generate_anew(session, history):
-        """[chatbot, stats, regenerate]: the chat up to where the next reply starts, the stats emptied for it."""
-        session.take_chat()
-        return history, "", REGENERATE
+    async def answer_anew(session, stored, asked, query, values):
+        """The reply generated anew from `asked` (the chat up to where the next reply starts)."""
+        session.restore(stored)
+        async for shown in stream(session, asked, query, values, [SKIP, REGENERATE]):
+            yield shown
 
-    async def edited(session, history, edit: gr.EditData):
+    async def edited(edit: gr.EditData, session, stored, history, query, *values):
         """Up to the edited user message, which now says what the user wrote (an emptied one is left as it was)."""
         text = text_of(edit.value)
-        kept = history if not text.strip() else list(history[:edit.index]) + [{"role": "user", "content": text}]
-        return await generate_anew(session, kept)
+        asked = history if not text.strip() else list(history[:edit.index]) + [{"role": "user", "content": text}]
+        async for shown in answer_anew(session, stored, asked, query, values):
+            yield shown
 
-    async def regenerate_selected(session, history):
+    async def regenerate_selected(session, stored, history, query, *values):
         """The selected message's reply (the last one's, with none selected), later turns dropped."""
         index = session.selected if session.selected is not None and session.selected < len(history) else None
-        return await generate_anew(session, before_reply(history, index))
+        async for shown in answer_anew(session, stored, before_reply(session.chat(history), index), query, values):
+            yield shown
 
-    async def retry_last(session, history):
-        return await generate_anew(session, before_reply(history))
+    async def retry_last(session, stored, history, query, *values):
+        async for shown in answer_anew(session, stored, before_reply(session.chat(history)), query, values):
+            yield shown
 
     async def select_message(session, select: gr.SelectData):
         """A click on a message chooses it for Regenerate; a second click on it, none."""
         session.selected = None if session.selected == select.index else select.index
         return REGENERATE if session.selected is None else REGENERATE_SELECTED
 
-    async def stop_reply(session, stats, history):
+    async def stop_reply(session, stored, stats, history, query, *values):
+        """[stats, chatbot, *kept]: the reply as far as it came, kept, its stats line saying so."""
+        session.restore(stored)
+        history = settled(session.chat(history))  # (no thought left "thinking")
         session.take_chat()
         if "streaming" in stats:  # (and only then)
             stats = f"{stats.replace(' · streaming…', '')} · stopped"
-        return stats, settled(history)  # (no thought left "thinking")
+        return [stats, history, *saved(session, history, query, values)]
 
-    async def clear_chat(session):
+    async def clear_chat(session, stored, query, *values):
+        """[chatbot, stats, Regenerate, *kept]: an empty chat (which the store does not keep)."""
+        session.restore(stored)
         session.take_chat()
-        return [], "", REGENERATE
+        return [[], "", REGENERATE, *saved(session, [], query, values)]
 
     async def export(kind, session, history, *values):
         """A file of the conversation on the screen: Markdown, or JSON (the chat request it amounts to)."""
@@ -260,42 +298,36 @@ def build_app(settings: UISettings) -> gr.Blocks:
         settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice]
         assert len(settings_inputs) == len(SETTINGS)
         kept = [stored, conversation_list, title_box]  # what saved() answers
-        # (the quick handlers skip the queue; those that take the chat from a streaming reply queue behind its
-        # updates, which reach the page in order)
-        persist_io = dict(fn=persist, inputs=[session, chatbot, search, *settings_inputs], outputs=kept,
-                          show_progress="hidden", queue=False)
         screen = [chatbot, title_box, stats, regenerate, *settings_inputs]  # what on_screen() answers
-        events = []
-
-        def answer(trigger):
-            """The reply to the chat as `trigger` left it, streamed, then kept in the store."""
-            replying = trigger.then(respond, [session, chatbot, *settings_inputs], [chatbot, stats])
-            replying.then(**persist_io)
-            events.append(replying)
-
-        asked = dict(fn=add_user, inputs=[session, message, chatbot, search, *settings_inputs],
-                     outputs=[message, chatbot, stats, regenerate, *kept], queue=False)
-        answer(message.submit(**asked))
-        answer(send.click(**asked))
-        anew = [chatbot, stats, regenerate]
-        answer(regenerate.click(regenerate_selected, [session, chatbot], anew, queue=False))
-        answer(chatbot.retry(retry_last, [session, chatbot], anew, queue=False))
-        answer(chatbot.edit(edited, [session, chatbot], anew, queue=False))
+        chat_inputs = [session, stored, chatbot, search, *settings_inputs]
+        # A reply is one event from the question to its end. Not one at a time (Gradio's default) across the
+        # people sharing the UI, nor skipped while another reply streams (it takes the chat from that one).
+        replies = dict(outputs=[message, chatbot, stats, regenerate, *kept], concurrency_limit=None,
+                       trigger_mode="multiple", show_progress="hidden")
+        events = [
+            message.submit(send_message, [session, stored, message, chatbot, search, *settings_inputs], **replies),
+            send.click(send_message, [session, stored, message, chatbot, search, *settings_inputs], **replies),
+            regenerate.click(regenerate_selected, chat_inputs, **replies),
+            chatbot.retry(retry_last, chat_inputs, **replies),
+            chatbot.edit(edited, chat_inputs, **replies),
+        ]
         chatbot.select(select_message, session, regenerate, queue=False)
-        # (taking the chat first stops the reply's updates; the cancellation then closes its stream)
-        stop.click(stop_reply, [session, stats, chatbot], [stats, chatbot], cancels=events).then(**persist_io)
-        clear.click(clear_chat, session, anew, cancels=events).then(**persist_io)
-        chatbot.clear(clear_chat, session, anew, cancels=events).then(**persist_io)  # (its own bin icon)
+        # (these take the chat first, which stops the reply's updates; the cancellation then closes its stream)
+        stop.click(stop_reply, [session, stored, stats, chatbot, search, *settings_inputs], [stats, chatbot, *kept],
+                   cancels=events)
+        for cleared in (clear.click, chatbot.clear):  # (the chatbot's own bin icon too)
+            cleared(clear_chat, [session, stored, search, *settings_inputs], [chatbot, stats, regenerate, *kept],
+                    cancels=events)
         # A setting belongs to the conversation it is changed in; text boxes are kept when left, not per key.
-        gr.on([c.blur if isinstance(c, gr.Textbox) else c.change for c in settings_inputs], trigger_mode="always_last",
-              **persist_io)
+        gr.on([c.blur if isinstance(c, gr.Textbox) else c.change for c in settings_inputs], persist, chat_inputs,
+              kept, trigger_mode="always_last", show_progress="hidden", queue=False)
 
-        new_chat.click(start_new, [session, chatbot, search, *settings_inputs], [stored, conversation_list, *screen],
-                       cancels=events)
-        conversation_list.input(switch, [session, conversation_list, chatbot, search, *settings_inputs],
+        new_chat.click(start_new, chat_inputs, [stored, conversation_list, *screen], cancels=events)
+        conversation_list.input(switch, [session, stored, conversation_list, chatbot, search, *settings_inputs],
                                 [stored, conversation_list, *screen], cancels=events)
-        gr.on([rename.click, title_box.submit], rename_current, [session, title_box, search], kept, queue=False)
-        delete.click(delete_current, [session, search], [stored, conversation_list, *screen], cancels=events)
+        gr.on([rename.click, title_box.submit], rename_current, [session, stored, title_box, search], kept,
+              queue=False)
+        delete.click(delete_current, [session, stored, search], [stored, conversation_list, *screen], cancels=events)
         search.change(lambda s, q: sidebar(s.store, q), [session, search], conversation_list, queue=False)
         export_md.click(export_markdown, [session, chatbot, *settings_inputs], exported)
         export_js.click(export_json, [session, chatbot, *settings_inputs], exported)
@@ -303,7 +335,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
         refresh = [panel, throughput_plot, kv_plot]
         timer.tick(metrics.refresh, None, refresh)
         # the panel fills in once the conversations are back (which is how a test knows the page is ready)
-        app.load(restore, [session, stored, search], [conversation_list, *screen]).then(
+        app.load(restore, [session, stored, search], [session, conversation_list, *screen]).then(
             lambda: (*metrics.refresh(), gr.Timer(active=True)), None, [*refresh, timer])
     return app
 

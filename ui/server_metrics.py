@@ -6,6 +6,7 @@ dataframes with typed columns: Gradio's plots pick each axis's scale from its co
 """
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from collections import deque
@@ -28,6 +29,7 @@ class ServerMetrics:
     def __init__(self, metrics_url: str):
         self.metrics_url = metrics_url
         self.samples: deque[Sample] = deque()
+        self._lock = threading.Lock()  # (each page's timer refreshes from a worker thread of its own)
 
     def refresh(self) -> tuple[str, pd.DataFrame, pd.DataFrame]:
         """The panel's markdown, the throughput frame and the KV-cache frame, sampled now."""
@@ -53,12 +55,13 @@ class ServerMetrics:
         labels = engines[0].labels if engines else {}
         devices = ", ".join(engine.labels.get("device", "?") for engine in engines) or "?"
         now = time.time()
-        # Every open page refreshes on its own timer: samples closer than half a period would make rates of noise.
-        if not self.samples or now - self.samples[-1].time >= REFRESH_S / 2:
-            # (the parser strips _total from counters)
-            self.samples.append(Sample(now, total("vllm:generation_tokens"), mean("vllm:kv_cache_usage_perc")))
-        while self.samples and self.samples[0].time < now - HISTORY_S:
-            self.samples.popleft()
+        with self._lock:
+            # Every open page refreshes on its own timer: samples closer than half a period would be rates of noise.
+            if not self.samples or now - self.samples[-1].time >= REFRESH_S / 2:
+                # (the parser strips _total from counters)
+                self.samples.append(Sample(now, total("vllm:generation_tokens"), mean("vllm:kv_cache_usage_perc")))
+            while self.samples and self.samples[0].time < now - HISTORY_S:
+                self.samples.popleft()
         panel = (
             f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
             f"**KV cache** {mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
@@ -71,14 +74,19 @@ class ServerMetrics:
     def throughput(self) -> pd.DataFrame:
         """Generation tokens/s between successive samples, at clock time (none across a restarted server's reset
         counter)."""
-        points = list(self.samples)
+        points = self._points()
         pairs = [(b.time, (b.generation_tokens - a.generation_tokens) / (b.time - a.time))
                  for a, b in zip(points, points[1:]) if b.time > a.time and b.generation_tokens >= a.generation_tokens]
         return _frame([t for t, _ in pairs], "tokens/s", [rate for _, rate in pairs])
 
     def kv_cache(self) -> pd.DataFrame:
         """KV-cache usage in percent, at clock time."""
-        return _frame([s.time for s in self.samples], "KV cache %", [s.kv_cache_usage * 100 for s in self.samples])
+        points = self._points()
+        return _frame([s.time for s in points], "KV cache %", [s.kv_cache_usage * 100 for s in points])
+
+    def _points(self) -> list[Sample]:
+        with self._lock:
+            return list(self.samples)
 
 
 def _frame(times: list[float], name: str, values: list[float]) -> pd.DataFrame:
