@@ -50,9 +50,10 @@ class Session:
 
     `store` holds the page's conversations while it is open: loaded once from the browser's storage (at the page's
     load, or at the first event of a session the server does not know, after a restart of the UI), then changed by
-    the handlers (async, so one at a time on the event loop) and mirrored back to the browser. `reply` counts who
-    took the chat last: a reply streams only while no later event took it (another reply, a switch, a new chat, a
-    delete, Clear, Stop); `streamed` is its latest messages, newer than the page's copy when an event fires.
+    the handlers (async, so one at a time on the event loop) and mirrored back to the browser. Every change to the
+    chat goes through a handler that keeps it, so the store, not the page's copy as it stood when an event fired,
+    is the chat. `reply` counts who took the chat last: a reply streams only while no later event took it (another
+    reply, a switch, a new chat, a delete, Clear, Stop); `streamed` is its latest messages, not yet kept.
     `selected` is the message chosen for Regenerate.
     """
 
@@ -72,11 +73,12 @@ class Session:
         self.selected = None
         return self.reply
 
-    def chat(self, history: list[dict]) -> list[dict]:
-        """The chat as it stands: the streaming reply's latest messages, while one streams, else the page's."""
+    def chat(self) -> list[dict]:
+        """The chat as it stands: the streaming reply's latest messages while one streams, else the kept ones."""
         if self.streamed is not None and self.streamed[0] == self.reply:
             return self.streamed[1]
-        return history
+        conversation = conversations.current(self.store)
+        return conversation["messages"] if conversation else []
 
 
 def _settings(values) -> dict:
@@ -106,13 +108,15 @@ def build_app(settings: UISettings) -> gr.Blocks:
                         break  # (closing the stream cancels the request on the server)
                     session.streamed = (turn, asked + reply)
                     yield [SKIP, asked + reply, stats, SKIP, SKIP, SKIP, SKIP]
-        except (OpenAIError, OSError, ValueError) as e:
+        except Exception as e:  # (a note in the chat, never a traceback; a cancel is no Exception)
             reply = settled([m for m in reply if is_thought(m)]) + [note(client.error_text(e))]  # its thoughts stay
             stats = "request failed"
+        finally:
+            if session.streamed is not None and session.streamed[0] == turn:
+                session.streamed = None
         if session.reply != turn:
             yield [SKIP] * 7  # (Gradio repeats a generator's last output when it ends: this one changes nothing)
             return
-        session.streamed = None
         yield [SKIP, asked + reply, stats, SKIP, *saved(session, asked + reply, query, values)]
 
     # What shows the store's current conversation -----------------------------------------------------------------
@@ -140,24 +144,24 @@ def build_app(settings: UISettings) -> gr.Blocks:
         # (the title box only when the title changed: the user may be typing a new one)
         return [session.store, sidebar(session.store, query), after if after != before else gr.skip()]
 
-    async def persist(session, stored, history, query, *values):
+    async def persist(session, stored, query, *values):
         session.restore(stored)
-        return saved(session, session.chat(history), query, values)
+        return saved(session, session.chat(), query, values)
 
     async def restore(session, stored, query):
         session.restore(stored)
         # (the session as an output: Gradio then expires it with the page)
         return [session, sidebar(session.store, query)] + on_screen(session.store)
 
-    async def switch(session, stored, chosen, history, query, *values):
+    async def switch(session, stored, chosen, query, *values):
         session.restore(stored)
-        saved(session, session.chat(history), query, values)  # (the one left: a reply cut short stays with it)
+        saved(session, session.chat(), query, values)  # (the one left: a reply cut short stays with it)
         session.take_chat()
         session.store = conversations.switched(session.store, chosen)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
-    async def start_new(session, stored, history, query, *values):
-        return await switch(session, stored, None, history, query, *values)
+    async def start_new(session, stored, query, *values):
+        return await switch(session, stored, None, query, *values)
 
     async def rename_current(session, stored, title, query):
         session.restore(stored)
@@ -174,12 +178,12 @@ def build_app(settings: UISettings) -> gr.Blocks:
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
     # The chat ----------------------------------------------------------------------------------------------------
-    async def send_message(session, stored, message, history, query, *values):
+    async def send_message(session, stored, message, query, *values):
         if not message.strip():
             yield [SKIP] * 7
             return
         session.restore(stored)
-        asked = settled(session.chat(history)) + [{"role": "user", "content": message}]
+        asked = settled(session.chat()) + [{"role": "user", "content": message}]
         async for shown in stream(session, asked, query, values, ["", REGENERATE]):
             yield shown
 
@@ -189,21 +193,24 @@ def build_app(settings: UISettings) -> gr.Blocks:
         async for shown in stream(session, asked, query, values, [SKIP, REGENERATE]):
             yield shown
 
-    async def edited(edit: gr.EditData, session, stored, history, query, *values):
+    async def edited(edit: gr.EditData, session, stored, query, *values):
         """Up to the edited user message, which now says what the user wrote (an emptied one is left as it was)."""
-        text = text_of(edit.value)
-        asked = history if not text.strip() else list(history[:edit.index]) + [{"role": "user", "content": text}]
+        session.restore(stored)
+        chat, text = session.chat(), text_of(edit.value)
+        asked = chat if not text.strip() or edit.index >= len(chat) else chat[:edit.index] + [
+            {"role": "user", "content": text}]
         async for shown in answer_anew(session, stored, asked, query, values):
             yield shown
 
-    async def regenerate_selected(session, stored, history, query, *values):
+    async def regenerate_selected(session, stored, query, *values):
         """The selected message's reply (the last one's, with none selected), later turns dropped."""
-        index = session.selected if session.selected is not None and session.selected < len(history) else None
-        async for shown in answer_anew(session, stored, before_reply(session.chat(history), index), query, values):
+        session.restore(stored)
+        async for shown in answer_anew(session, stored, before_reply(session.chat(), session.selected), query, values):
             yield shown
 
-    async def retry_last(session, stored, history, query, *values):
-        async for shown in answer_anew(session, stored, before_reply(session.chat(history)), query, values):
+    async def retry_last(session, stored, query, *values):
+        session.restore(stored)
+        async for shown in answer_anew(session, stored, before_reply(session.chat()), query, values):
             yield shown
 
     async def select_message(session, select: gr.SelectData):
@@ -211,14 +218,14 @@ def build_app(settings: UISettings) -> gr.Blocks:
         session.selected = None if session.selected == select.index else select.index
         return REGENERATE if session.selected is None else REGENERATE_SELECTED
 
-    async def stop_reply(session, stored, stats, history, query, *values):
-        """[stats, chatbot, *kept]: the reply as far as it came, kept, its stats line saying so."""
+    async def stop_reply(session, stored, stats, query, *values):
+        """[stats, chatbot, Regenerate, *kept]: the reply as far as it came, kept, its stats line saying so."""
         session.restore(stored)
-        history = settled(session.chat(history))  # (no thought left "thinking")
+        chat = settled(session.chat())  # (no thought left "thinking")
         session.take_chat()
         if "streaming" in stats:  # (and only then)
             stats = f"{stats.replace(' · streaming…', '')} · stopped"
-        return [stats, history, *saved(session, history, query, values)]
+        return [stats, chat, REGENERATE, *saved(session, chat, query, values)]
 
     async def clear_chat(session, stored, query, *values):
         """[chatbot, stats, Regenerate, *kept]: an empty chat (which the store does not keep)."""
@@ -226,10 +233,10 @@ def build_app(settings: UISettings) -> gr.Blocks:
         session.take_chat()
         return [[], "", REGENERATE, *saved(session, [], query, values)]
 
-    async def export(kind, session, history, *values):
+    async def export(kind, session, *values):
         """A file of the conversation on the screen: Markdown, or JSON (the chat request it amounts to)."""
-        chosen = _settings(values)
-        name = conversations.title(conversations.current(session.store) or {"messages": history})
+        chosen, history = _settings(values), session.chat()
+        name = conversations.title(conversations.current(session.store))
         try:
             text = (conversations.as_markdown(name, history, chosen) if kind == "md" else json.dumps(
                 chat_request(await client.model(), history, chosen), indent=2, ensure_ascii=False) + "\n")
@@ -239,11 +246,11 @@ def build_app(settings: UISettings) -> gr.Blocks:
         path.write_text(text, encoding="utf-8")
         return gr.update(value=str(path), visible=True)
 
-    async def export_markdown(session, history, *values):
-        return await export("md", session, history, *values)
+    async def export_markdown(session, *values):
+        return await export("md", session, *values)
 
-    async def export_json(session, history, *values):
-        return await export("json", session, history, *values)
+    async def export_json(session, *values):
+        return await export("json", session, *values)
 
     with gr.Blocks(title="npu-llm chat") as app:
         stored = gr.BrowserState(conversations.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
@@ -299,21 +306,21 @@ def build_app(settings: UISettings) -> gr.Blocks:
         assert len(settings_inputs) == len(SETTINGS)
         kept = [stored, conversation_list, title_box]  # what saved() answers
         screen = [chatbot, title_box, stats, regenerate, *settings_inputs]  # what on_screen() answers
-        chat_inputs = [session, stored, chatbot, search, *settings_inputs]
+        chat_inputs = [session, stored, search, *settings_inputs]
         # A reply is one event from the question to its end. Not one at a time (Gradio's default) across the
         # people sharing the UI, nor skipped while another reply streams (it takes the chat from that one).
         replies = dict(outputs=[message, chatbot, stats, regenerate, *kept], concurrency_limit=None,
                        trigger_mode="multiple", show_progress="hidden")
         events = [
-            message.submit(send_message, [session, stored, message, chatbot, search, *settings_inputs], **replies),
-            send.click(send_message, [session, stored, message, chatbot, search, *settings_inputs], **replies),
+            message.submit(send_message, [session, stored, message, search, *settings_inputs], **replies),
+            send.click(send_message, [session, stored, message, search, *settings_inputs], **replies),
             regenerate.click(regenerate_selected, chat_inputs, **replies),
             chatbot.retry(retry_last, chat_inputs, **replies),
             chatbot.edit(edited, chat_inputs, **replies),
         ]
         chatbot.select(select_message, session, regenerate, queue=False)
         # (these take the chat first, which stops the reply's updates; the cancellation then closes its stream)
-        stop.click(stop_reply, [session, stored, stats, chatbot, search, *settings_inputs], [stats, chatbot, *kept],
+        stop.click(stop_reply, [session, stored, stats, search, *settings_inputs], [stats, chatbot, regenerate, *kept],
                    cancels=events)
         for cleared in (clear.click, chatbot.clear):  # (the chatbot's own bin icon too)
             cleared(clear_chat, [session, stored, search, *settings_inputs], [chatbot, stats, regenerate, *kept],
@@ -323,14 +330,14 @@ def build_app(settings: UISettings) -> gr.Blocks:
               kept, trigger_mode="always_last", show_progress="hidden", queue=False)
 
         new_chat.click(start_new, chat_inputs, [stored, conversation_list, *screen], cancels=events)
-        conversation_list.input(switch, [session, stored, conversation_list, chatbot, search, *settings_inputs],
+        conversation_list.input(switch, [session, stored, conversation_list, search, *settings_inputs],
                                 [stored, conversation_list, *screen], cancels=events)
         gr.on([rename.click, title_box.submit], rename_current, [session, stored, title_box, search], kept,
               queue=False)
         delete.click(delete_current, [session, stored, search], [stored, conversation_list, *screen], cancels=events)
         search.change(lambda s, q: sidebar(s.store, q), [session, search], conversation_list, queue=False)
-        export_md.click(export_markdown, [session, chatbot, *settings_inputs], exported)
-        export_js.click(export_json, [session, chatbot, *settings_inputs], exported)
+        export_md.click(export_markdown, [session, *settings_inputs], exported)
+        export_js.click(export_json, [session, *settings_inputs], exported)
 
         refresh = [panel, throughput_plot, kv_plot]
         timer.tick(metrics.refresh, None, refresh)
