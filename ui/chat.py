@@ -13,6 +13,7 @@ The server panel and the plots refresh from Triton's /metrics every few seconds 
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -53,8 +54,9 @@ class Session:
     the handlers (async, so one at a time on the event loop) and mirrored back to the browser. Every change to the
     chat goes through a handler that keeps it, so the store, not the page's copy as it stood when an event fired,
     is the chat. `reply` counts who took the chat last: a reply streams only while no later event took it (another
-    reply, a switch, a new chat, a delete, Clear, Stop); `streamed` is its latest messages, not yet kept.
-    `selected` is the message chosen for Regenerate.
+    reply, a switch, a new chat, a delete, Clear, Stop); `streamed` is its latest messages, not yet kept, and
+    `delivering` is true while one of its updates is on its way to the page. `selected` is the message chosen for
+    Regenerate.
     """
 
     def __init__(self):
@@ -62,6 +64,7 @@ class Session:
         self.restored = False
         self.reply = 0
         self.streamed: tuple[int, list[dict]] | None = None
+        self.delivering = False
         self.selected: int | None = None
 
     def restore(self, stored) -> None:
@@ -72,6 +75,16 @@ class Session:
         self.reply += 1
         self.selected = None
         return self.reply
+
+    async def take_chat_drawn(self) -> int:
+        """take_chat, then wait until the reply's update already on its way has reached the page, so that what the
+        taker draws comes after it. (Gradio resumes a generator once its update is queued to the page; 1 s at most.)"""
+        turn = self.take_chat()
+        for _ in range(100):
+            if not self.delivering:
+                break
+            await asyncio.sleep(0.01)
+        return turn
 
     def chat(self) -> list[dict]:
         """The chat as it stands: the streaming reply's latest messages while one streams, else the kept ones."""
@@ -96,7 +109,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
         question (kept at once, the stats emptied for the reply; `shown_first` are the message box's and
         Regenerate's values), then the reply as it streams, then the reply kept. Once another event took the chat
         it stops, and leaves the screen and the store to that event."""
-        turn = session.take_chat()
+        turn = await session.take_chat_drawn()
         yield [shown_first[0], asked, "", shown_first[1], *saved(session, asked, query, values)]
         if not asked or asked[-1]["role"] != "user":
             return  # (nothing to answer)
@@ -107,11 +120,14 @@ def build_app(settings: UISettings) -> gr.Blocks:
                     if session.reply != turn:
                         break  # (closing the stream cancels the request on the server)
                     session.streamed = (turn, asked + reply)
+                    session.delivering = True
                     yield [SKIP, asked + reply, stats, SKIP, SKIP, SKIP, SKIP]
+                    session.delivering = False
         except Exception as e:  # (a note in the chat, never a traceback; a cancel is no Exception)
             reply = settled([m for m in reply if is_thought(m)]) + [note(client.error_text(e))]  # its thoughts stay
             stats = "request failed"
         finally:
+            session.delivering = False
             if session.streamed is not None and session.streamed[0] == turn:
                 session.streamed = None
         if session.reply != turn:
@@ -156,7 +172,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
     async def switch(session, stored, chosen, query, *values):
         session.restore(stored)
         saved(session, session.chat(), query, values)  # (the one left: a reply cut short stays with it)
-        session.take_chat()
+        await session.take_chat_drawn()
         session.store = conversations.switched(session.store, chosen)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
@@ -173,7 +189,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
 
     async def delete_current(session, stored, query):
         session.restore(stored)
-        session.take_chat()
+        await session.take_chat_drawn()
         session.store = conversations.deleted(session.store)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
@@ -222,7 +238,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
         """[stats, chatbot, Regenerate, *kept]: the reply as far as it came, kept, its stats line saying so."""
         session.restore(stored)
         chat = settled(session.chat())  # (no thought left "thinking")
-        session.take_chat()
+        await session.take_chat_drawn()
         if "streaming" in stats:  # (and only then)
             stats = f"{stats.replace(' · streaming…', '')} · stopped"
         return [stats, chat, REGENERATE, *saved(session, chat, query, values)]
@@ -230,7 +246,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
     async def clear_chat(session, stored, query, *values):
         """[chatbot, stats, Regenerate, *kept]: an empty chat (which the store does not keep)."""
         session.restore(stored)
-        session.take_chat()
+        await session.take_chat_drawn()
         return [[], "", REGENERATE, *saved(session, [], query, values)]
 
     async def export(kind, session, *values):
