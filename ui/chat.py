@@ -71,15 +71,13 @@ class Session:
         if not self.restored:
             self.store, self.restored = conversations.loaded(stored), True
 
-    def take_chat(self) -> int:
+    async def take_chat(self) -> int:
+        """The chat taken from whoever had it, once the reply's update already on its way has reached the page, so
+        that what the taker draws comes after it. (Gradio resumes a generator once its update is queued to the
+        page; 1 s at most.)"""
         self.reply += 1
         self.selected = None
-        return self.reply
-
-    async def take_chat_drawn(self) -> int:
-        """take_chat, then wait until the reply's update already on its way has reached the page, so that what the
-        taker draws comes after it. (Gradio resumes a generator once its update is queued to the page; 1 s at most.)"""
-        turn = self.take_chat()
+        turn = self.reply
         for _ in range(100):
             if not self.delivering:
                 break
@@ -109,7 +107,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
         question (kept at once, the stats emptied for the reply; `shown_first` are the message box's and
         Regenerate's values), then the reply as it streams, then the reply kept. Once another event took the chat
         it stops, and leaves the screen and the store to that event."""
-        turn = await session.take_chat_drawn()
+        turn = await session.take_chat()
         yield [shown_first[0], asked, "", shown_first[1], *saved(session, asked, query, values)]
         if not asked or asked[-1]["role"] != "user":
             return  # (nothing to answer)
@@ -172,7 +170,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
     async def switch(session, stored, chosen, query, *values):
         session.restore(stored)
         saved(session, session.chat(), query, values)  # (the one left: a reply cut short stays with it)
-        await session.take_chat_drawn()
+        await session.take_chat()
         session.store = conversations.switched(session.store, chosen)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
@@ -189,7 +187,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
 
     async def delete_current(session, stored, query):
         session.restore(stored)
-        await session.take_chat_drawn()
+        await session.take_chat()
         session.store = conversations.deleted(session.store)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
@@ -203,9 +201,8 @@ def build_app(settings: UISettings) -> gr.Blocks:
         async for shown in stream(session, asked, query, values, ["", REGENERATE]):
             yield shown
 
-    async def answer_anew(session, stored, asked, query, values):
+    async def answer_anew(asked, session, query, values):
         """The reply generated anew from `asked` (the chat up to where the next reply starts)."""
-        session.restore(stored)
         async for shown in stream(session, asked, query, values, [SKIP, REGENERATE]):
             yield shown
 
@@ -215,18 +212,18 @@ def build_app(settings: UISettings) -> gr.Blocks:
         chat, text = session.chat(), text_of(edit.value)
         asked = chat if not text.strip() or edit.index >= len(chat) else chat[:edit.index] + [
             {"role": "user", "content": text}]
-        async for shown in answer_anew(session, stored, asked, query, values):
+        async for shown in answer_anew(asked, session, query, values):
             yield shown
 
     async def regenerate_selected(session, stored, query, *values):
         """The selected message's reply (the last one's, with none selected), later turns dropped."""
         session.restore(stored)
-        async for shown in answer_anew(session, stored, before_reply(session.chat(), session.selected), query, values):
+        async for shown in answer_anew(before_reply(session.chat(), session.selected), session, query, values):
             yield shown
 
     async def retry_last(session, stored, query, *values):
         session.restore(stored)
-        async for shown in answer_anew(session, stored, before_reply(session.chat()), query, values):
+        async for shown in answer_anew(before_reply(session.chat()), session, query, values):
             yield shown
 
     async def select_message(session, select: gr.SelectData):
@@ -238,7 +235,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
         """[stats, chatbot, Regenerate, *kept]: the reply as far as it came, kept, its stats line saying so."""
         session.restore(stored)
         chat = settled(session.chat())  # (no thought left "thinking")
-        await session.take_chat_drawn()
+        await session.take_chat()
         if "streaming" in stats:  # (and only then)
             stats = f"{stats.replace(' · streaming…', '')} · stopped"
         return [stats, chat, REGENERATE, *saved(session, chat, query, values)]
@@ -246,11 +243,12 @@ def build_app(settings: UISettings) -> gr.Blocks:
     async def clear_chat(session, stored, query, *values):
         """[chatbot, stats, Regenerate, *kept]: an empty chat (which the store does not keep)."""
         session.restore(stored)
-        await session.take_chat_drawn()
+        await session.take_chat()
         return [[], "", REGENERATE, *saved(session, [], query, values)]
 
-    async def export(kind, session, *values):
+    async def export(kind, session, stored, *values):
         """A file of the conversation on the screen: Markdown, or JSON (the chat request it amounts to)."""
+        session.restore(stored)
         chosen, history = _settings(values), session.chat()
         name = conversations.title(conversations.current(session.store))
         try:
@@ -262,11 +260,11 @@ def build_app(settings: UISettings) -> gr.Blocks:
         path.write_text(text, encoding="utf-8")
         return gr.update(value=str(path), visible=True)
 
-    async def export_markdown(session, *values):
-        return await export("md", session, *values)
+    async def export_markdown(session, stored, *values):
+        return await export("md", session, stored, *values)
 
-    async def export_json(session, *values):
-        return await export("json", session, *values)
+    async def export_json(session, stored, *values):
+        return await export("json", session, stored, *values)
 
     with gr.Blocks(title="npu-llm chat") as app:
         stored = gr.BrowserState(conversations.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
@@ -352,8 +350,8 @@ def build_app(settings: UISettings) -> gr.Blocks:
               queue=False)
         delete.click(delete_current, [session, stored, search], [stored, conversation_list, *screen], cancels=events)
         search.change(lambda s, q: sidebar(s.store, q), [session, search], conversation_list, queue=False)
-        export_md.click(export_markdown, [session, *settings_inputs], exported)
-        export_js.click(export_json, [session, *settings_inputs], exported)
+        export_md.click(export_markdown, [session, stored, *settings_inputs], exported)
+        export_js.click(export_json, [session, stored, *settings_inputs], exported)
 
         refresh = [panel, throughput_plot, kv_plot]
         timer.tick(metrics.refresh, None, refresh)
