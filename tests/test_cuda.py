@@ -11,14 +11,14 @@ pytestmark = pytest.mark.cuda
 
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_cuda_attention_matches_dense(block_size):
-    from kernels import cuda
+    from npu_llm_kernels import cuda
 
     class OnGpu:
         """Runs the CUDA op on GPU copies of the CPU batch, returning to the CPU for comparison."""
 
         @staticmethod
         def paged_attention(q, k, v, kc, vc, md, scale):
-            from kernels import AttentionMetadata
+            from npu_llm_kernels import AttentionMetadata
 
             dev = torch.device("cuda")
             gpu_md = AttentionMetadata(md.query_lens, md.context_lens, md.num_decodes, md.block_size,

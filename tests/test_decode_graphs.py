@@ -2,7 +2,7 @@
 
 torch has no CPU graphs, so the capture goes through the fake torch_npu's recording NPUGraph
 (tests/fake_torch_npu/torch_npu/_graphs.py), which replays recorded ops on whatever the captured
-buffers hold, as a CUDA graph does. With kernels.cuda (torch_ref's ops) this runs the CUDA graph
+buffers hold, as a CUDA graph does. With npu_llm_kernels.cuda (torch_ref's ops) this runs the CUDA graph
 path: device-side context lengths, a ladder of capture widths, padded batches and no host updates.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from backend.engine.decode_graphs import capture_sizes
 from backend.engine.runner import ModelRunner, SequenceChunk
 from backend.models.loader import load_model
 from backend.platform import Platform
-from kernels import ops_for
+from npu_llm_kernels import ops_for
 
 BLOCK_SIZE, MAX_LEN = 16, 256
 

@@ -29,11 +29,11 @@ def test_cpu_machine_passes_with_warnings():
 
 
 def test_the_cpu_level_and_its_kernels_are_shown():
-    from kernels.cpu_features import ENV, cpu_features
+    from npu_llm_kernels.cpu_features import ENV, cpu_features
 
     run = _doctor()
     assert f"CPU level {cpu_features().level}" in _row(run.stdout, "CPU level") and " OK " in _row(run.stdout, "CPU level")
-    assert " OK " in _row(run.stdout, "CPU kernels") and "build of kernels/csrc loaded" in run.stdout
+    assert " OK " in _row(run.stdout, "CPU kernels") and "build of npu_llm_kernels/csrc loaded" in run.stdout
     off = _doctor(env={"NPU_LLM_CPU_KERNELS": "0"})
     assert " WARN " in _row(off.stdout, "CPU kernels") and "not in use: NPU_LLM_CPU_KERNELS=0" in off.stdout
     wrong = _doctor(env={ENV: "sse4"})

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from backend.models.loader import load_model
 from backend.models.registry import gguf_to_folder
-from kernels import ops_for
+from npu_llm_kernels import ops_for
 from tests.conftest import make_tiny_model
 from tests.test_model_parity import _prompt_logits
 

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from kernels import AttentionMetadata, cpu, torch_ref
-from kernels.cpu_features import cpu_features
-from kernels.metadata import cdiv
+from npu_llm_kernels import AttentionMetadata, cpu, torch_ref
+from npu_llm_kernels.cpu_features import cpu_features
+from npu_llm_kernels.metadata import cdiv
 from tests.conftest import CPU_LEVELS, at_cpu_level
 
 # every kernel module must agree with the dense reference: the CPU one at each level this machine can run

@@ -10,7 +10,7 @@ from backend.engine.kv_cache import KVCacheManager
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from kernels.metadata import cdiv
+from npu_llm_kernels.metadata import cdiv
 
 BLOCK_SIZE = 4
 PARAMS = SamplingParams(max_tokens=64)

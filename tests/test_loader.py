@@ -9,7 +9,7 @@ import torch
 
 from backend.models.loader import ModelLoadError, load_model
 from backend.models.registry import ModelNotFoundError, resolve_model
-from kernels import ops_for
+from npu_llm_kernels import ops_for
 
 OPS = ops_for("cpu")
 

@@ -8,8 +8,8 @@ import torch
 
 from backend.engine.runner import ModelRunner, SequenceChunk
 from backend.models.loader import load_model
-from kernels import ops_for
-from kernels.metadata import cdiv
+from npu_llm_kernels import ops_for
+from npu_llm_kernels.metadata import cdiv
 from tests.conftest import hf_model
 
 DECODE_STEPS = 32
@@ -29,7 +29,7 @@ def _greedy_through_paged_cache(model, prompt: list[int], block_size: int, steps
 
 
 def _prompt_logits(model, prompt: list[int], block_size: int) -> torch.Tensor:
-    from kernels import AttentionMetadata
+    from npu_llm_kernels import AttentionMetadata
 
     runner = ModelRunner(model, num_blocks=64, block_size=block_size, device="cpu")
     blocks = list(range(cdiv(len(prompt), block_size)))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLM, SamplingParams
 from backend.models.loader import ModelLoadError, load_model
-from kernels import cpu, ops_for, torch_ref
+from npu_llm_kernels import cpu, ops_for, torch_ref
 from tests.conftest import hf_model, make_tiny_model
 from tests.test_model_parity import _check_against_hf
 

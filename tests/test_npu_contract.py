@@ -19,16 +19,17 @@ import builtins, importlib, pkgutil, sys
 ours, real_import = [], builtins.__import__
 def spy(name, globals=None, locals=None, fromlist=(), level=0):
     module = (globals or {}).get("__name__") or ""
-    if name.split(".")[0] == "torch_npu" and module.split(".")[0] in ("backend", "kernels", "ui", "loadtest"):
+    if name.split(".")[0] == "torch_npu" and module.split(".")[0] in ("backend", "npu_llm_kernels", "ui", "loadtest"):
         ours.append(module)
     return real_import(name, globals, locals, fromlist, level)
 builtins.__import__ = spy
 import torch
 autoloaded = "torch_npu" in sys.modules
-import backend, kernels, loadtest
-for package in (backend, kernels, loadtest):
+import backend, npu_llm_kernels, loadtest
+for package in (backend, npu_llm_kernels, loadtest):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-        if info.name not in ("kernels.npu", "backend.triton.model", "loadtest.locustfile"):  # (Triton's and locust's own)
+        # (the NPU kernels, Triton's and locust's own)
+        if info.name not in ("npu_llm_kernels.npu", "backend.triton.model", "loadtest.locustfile"):
             importlib.import_module(info.name)
 from backend.platform import resolve_platform
 assert resolve_platform("cpu").name == "cpu"
@@ -105,7 +106,7 @@ def test_a_second_rope_table_in_one_process_is_refused(fake_npu):
 
 
 def test_ops_reject_what_the_real_ops_reject(fake_npu):
-    from kernels import AttentionMetadata, npu
+    from npu_llm_kernels import AttentionMetadata, npu
 
     key = torch.randn(3, 2, 64, dtype=torch.bfloat16, device="npu")
     cache = torch.zeros(4, 128, 2, 64, dtype=torch.bfloat16, device="npu")
@@ -215,8 +216,8 @@ def test_kv_cache_gets_what_weights_activations_and_graphs_leave(fake_npu, monke
 
 @pytest.mark.parametrize("case", ["decode", "fresh-prefill", "mixed"])
 def test_npu_attention_matches_torch_ref(fake_npu, case):
-    from kernels import AttentionMetadata, npu, torch_ref
-    from kernels.metadata import cdiv
+    from npu_llm_kernels import AttentionMetadata, npu, torch_ref
+    from npu_llm_kernels.metadata import cdiv
 
     seqs = {"decode": [(5, 1), (130, 1), (256, 1)], "fresh-prefill": [(40, 40), (129, 129)],
             "mixed": [(7, 1), (300, 1), (200, 72), (64, 64)]}[case]
@@ -274,7 +275,7 @@ MOE_CASES = {
 
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_npu_moe_matches_torch_ref(fake_npu, case):
-    from kernels import npu, torch_ref
+    from npu_llm_kernels import npu, torch_ref
 
     experts, top_k, select, (first, local) = MOE_CASES[case]
     torch.manual_seed(0)
@@ -306,7 +307,7 @@ def test_npu_moe_matches_torch_ref(fake_npu, case):
 def test_npu_moe_ranks_sum_to_the_whole_layer(fake_npu):
     """Expert parallel: each rank's share of the layer, summed, is the whole; a rank whose experts no token chose
     adds exact zeros (the rows the ops leave unwritten, NaN in the fake, are never read)."""
-    from kernels import npu, torch_ref
+    from npu_llm_kernels import npu, torch_ref
 
     torch.manual_seed(1)
     tokens, experts, hidden, inter = 16, 16, 64, 32
@@ -327,7 +328,7 @@ def test_npu_moe_ranks_sum_to_the_whole_layer(fake_npu):
 def test_npu_moe_layer_replays_in_a_graph(fake_npu):
     """Routing and experts capture in a decode graph: no value is read back to the host, and a replay computes on
     whatever the input buffers hold (ids above the range and the unwritten rows included)."""
-    from kernels import npu, torch_ref
+    from npu_llm_kernels import npu, torch_ref
 
     torch.manual_seed(2)
     tokens, experts, hidden, inter = 8, 16, 64, 32
@@ -347,7 +348,7 @@ def test_npu_moe_layer_replays_in_a_graph(fake_npu):
 
 def test_sigmoid_routing_without_renormalization_stays_in_torch(fake_npu):
     """The gating op always renormalises sigmoid weights; as vllm-ascend does, that case is left to plain torch."""
-    from kernels import npu, torch_ref
+    from npu_llm_kernels import npu, torch_ref
 
     logits = _router_logits(8, 16)
     ours = npu.select_experts(logits.to("npu"), 2, False, scoring_func="sigmoid")
@@ -576,7 +577,7 @@ def test_graph_mode_on_npu_equals_eager(fake_npu):
 
 def test_one_workspace_serves_every_graph_of_a_batch_size(fake_npu, monkeypatch):
     from backend import LLM
-    from kernels import npu
+    from npu_llm_kernels import npu
 
     monkeypatch.setattr(npu, "decode_graph_widths", lambda max_len, block_size: [128, max_len])
     llm = LLM(device="npu", dtype="bfloat16", num_kv_blocks=4, max_num_seqs=2, max_model_len=256,

@@ -13,14 +13,14 @@ def test_the_cpu_in_float32_computes_the_reference():
     run = subprocess.run([sys.executable, "-m", "backend.cli", "verify", "--device", "cpu", "--dtype", "float32",
                           "--steps", "8"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "on cpu in float32 (eager) against kernels/torch_ref.py" in run.stdout
+    assert "on cpu in float32 (eager) against npu_llm_kernels/torch_ref.py" in run.stdout
     assert run.stdout.count(" PASS") == 12 and "all figures within tolerance" in run.stdout
 
 
 @pytest.mark.slow
 def test_the_npu_passes_in_bfloat16_and_a_broken_kernel_fails(fake_npu, monkeypatch):
     from backend.verify import verify
-    from kernels import npu
+    from npu_llm_kernels import npu
 
     heading, figures = verify(EngineConfig(device="npu", dtype="bfloat16", enforce_eager=False), steps=8)
     assert "on npu:0 in bfloat16 (decode graphs)" in heading
@@ -44,7 +44,7 @@ def test_a_moe_model_passes_on_the_npu_with_decode_graphs_and_a_broken_router_fa
     """GLM-4.5's routing (grouped sigmoid, correction bias, shared expert) through torch_npu's MoE ops, replayed
     in decode graphs, against torch_ref in fp32; choosing the wrong experts is caught."""
     from backend.verify import verify
-    from kernels import npu
+    from npu_llm_kernels import npu
     from tests.conftest import make_tiny_model
 
     from transformers import AutoTokenizer

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.platform import Platform
-from kernels import AttentionMetadata
-from kernels.metadata import GraphCapture, cdiv
+from npu_llm_kernels import AttentionMetadata
+from npu_llm_kernels.metadata import GraphCapture, cdiv
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from backend.models.llama import check_model
 from backend.models.loader import load_config, load_model, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
-from kernels import cpu as cpu_kernels, ops_for
-from kernels.metadata import cdiv
-from kernels.timing import scope
+from npu_llm_kernels import cpu as cpu_kernels, ops_for
+from npu_llm_kernels.metadata import cdiv
+from npu_llm_kernels.timing import scope
 
 log = logging.getLogger(__name__)
 

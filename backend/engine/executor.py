@@ -187,7 +187,7 @@ def run_worker(config: EngineConfig, device: str, rank: int, size: int, init_met
     from backend.models.loader import load_model
     from backend.models.registry import resolve_model
     from backend.platform import resolve_platform
-    from kernels import ops_for
+    from npu_llm_kernels import ops_for
 
     torch.manual_seed(config.seed)
     torch.set_num_threads(threads)

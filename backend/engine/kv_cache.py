@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from backend.engine.request import Request
-from kernels.metadata import cdiv
+from npu_llm_kernels.metadata import cdiv
 
 
 @dataclass

@@ -13,7 +13,7 @@ from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from backend.engine.request import Request
 from backend.engine.sampler import SampledToken
-from kernels.timing import scope
+from npu_llm_kernels.timing import scope
 
 
 class RequestState:

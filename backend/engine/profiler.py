@@ -7,7 +7,7 @@ capture. Between them:
 - torch.profiler (torch_npu.profiler on Ascend, as vllm-ascend's worker runs it) records every step;
   the trace opens in Perfetto or chrome://tracing: DIR/trace-<time>.json on CPU and CUDA, torch_npu's
   DIR/<worker>_ascend_pt/ASCEND_PROFILER_OUTPUT/trace_view.json on the NPU;
-- the engine's named scopes (kernels/timing.py) time each step's parts, waiting for the device at
+- the engine's named scopes (npu_llm_kernels/timing.py) time each step's parts, waiting for the device at
   each scope's ends, so the figures are the device's work and not its launch queue. That wait slows a
   captured run a little on an accelerator; the CPU has nothing to wait for.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from backend.platform import Platform
-from kernels import timing
+from npu_llm_kernels import timing
 
 log = logging.getLogger(__name__)
 

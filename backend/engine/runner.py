@@ -10,9 +10,9 @@ from backend.engine.decode_graphs import DecodeGraphs
 from backend.engine.outputs import Logprob
 from backend.engine.sampler import ranked_logprobs
 from backend.platform import Platform
-from kernels import AttentionMetadata
-from kernels.metadata import cdiv
-from kernels.timing import scope
+from npu_llm_kernels import AttentionMetadata
+from npu_llm_kernels.metadata import cdiv
+from npu_llm_kernels.timing import scope
 
 
 # Tokens of the warm-up prefill: enough for the prefill code paths, cheap at start-up.

@@ -26,8 +26,8 @@ from backend.models.architectures import (
     attention_spec, head_dim_of, is_moe_layer, moe_spec, rope_parameters_of, rotary_dim_of,
 )
 from backend.models.moe import FusedMoE, SparseMoeBlock
-from kernels import AttentionMetadata
-from kernels.timing import scope
+from npu_llm_kernels import AttentionMetadata
+from npu_llm_kernels.timing import scope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from backend.distributed import TensorParallel
 from backend.models.architectures import MoeSpec
-from kernels.timing import scope
+from npu_llm_kernels.timing import scope
 
 # A checkpoint's expert tensors: one per expert (`experts.3.gate_proj.weight`; Mixtral's w1 / w3 / w2), or
 # transformers 5's stacked layout per layer (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).

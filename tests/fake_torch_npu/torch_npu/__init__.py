@@ -1,6 +1,6 @@
 """A CPU-backed stand-in for torch_npu, for contract tests on machines without Ascend hardware.
 
-It implements the ops kernels/npu.py calls with kernels/torch_ref.py semantics (the MoE ops with
+It implements the ops npu_llm_kernels/npu.py calls with npu_llm_kernels/torch_ref.py semantics (the MoE ops with
 their docs' equivalent code), and checks their arguments the way the real ops document them
 (docs/npu.md): keyword names, fp16/bf16 only, int32 slot indices and block tables, CPU int32
 lengths, contiguous outputs, block sizes, the exact causal masks vllm-ascend builds, and the MoE
@@ -22,8 +22,8 @@ import types
 import fake_npu_device
 import torch
 
-from kernels import torch_ref
-from kernels.metadata import AttentionMetadata, cdiv
+from npu_llm_kernels import torch_ref
+from npu_llm_kernels.metadata import AttentionMetadata, cdiv
 
 from . import _graphs, _hccl
 from . import profiler

@@ -1,11 +1,11 @@
-// The experts of one MoE layer in one call (kernels/torch_ref.py fused_experts defines it): the (token, expert)
+// The experts of one MoE layer in one call (npu_llm_kernels/torch_ref.py fused_experts defines it): the (token, expert)
 // pairs sorted by expert, each expert's gate/up matmul, silu(gate) * up, its down matmul, and the weighted sum
 // back per token.
 //
 // Why a kernel: at decode an expert sees a few tokens, and torch_ref's per-expert loop spends more time issuing
 // 64 experts' small matmuls from Python than in them. Here the experts with few tokens are (expert, stripe of
 // output columns) tasks of one parallel region. The weights are stored in stripes, [E, N / S, K, S]
-// (pack_expert_weights in kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and
+// (pack_expert_weights in npu_llm_kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and
 // computes outer products: each weight vector read once per four tokens, each token's value broadcast, no
 // horizontal sums. An expert with many tokens (prefill) runs on AMX tiles where the CPU has them, through oneDNN's
 // brgemm microkernel on the same packed stripes; elsewhere it gets oneDNN's matmul, where AVX512-BF16 (or, in fp32,

@@ -5,8 +5,8 @@
 #include "ops.h"
 
 namespace {
-// The ISA this module was compiled for, as kernels/cpu_features.py names the builds: kernels/cpu.py uses a
-// module only where this agrees with the level it asked for.
+// The ISA this module was compiled for, as npu_llm_kernels/cpu_features.py names the builds: npu_llm_kernels/cpu.py
+// uses a module only where this agrees with the level it asked for.
 const char* compiled_isa() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
     defined(__AVX512BF16__)

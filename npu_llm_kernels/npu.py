@@ -16,10 +16,10 @@ import weakref
 import torch
 import torch_npu
 
-from kernels.metadata import AttentionMetadata, GraphCapture
-from kernels.timing import scope
-from kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
-from kernels.torch_ref import select_experts as _ref_select_experts
+from npu_llm_kernels.metadata import AttentionMetadata, GraphCapture
+from npu_llm_kernels.timing import scope
+from npu_llm_kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
+from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts
 
 BLOCK_SIZE = 128
 # Masked value per dtype, as vllm-ascend builds its masks (attention.py generate_attn_mask /

@@ -1,5 +1,5 @@
 // Fused elementwise ops for the CPU: each reads its inputs once and writes its outputs once, where the
-// portable versions (kernels/torch_ref.py) run five to eight torch ops, each a pass over memory with
+// portable versions (npu_llm_kernels/torch_ref.py) run five to eight torch ops, each a pass over memory with
 // its own dispatch. Math in fp32, one rounding to the tensor's dtype at the end. Semantics:
 // torch_ref.rms_norm, add_rms_norm and rotary_embedding (neox style).
 #include "ops.h"

@@ -5,7 +5,7 @@ The levels of an x86 CPU, lowest first:
 - `x86_64`: none of the below (the portable kernels only).
 - `avx2`: AVX2 and FMA (Zen 2/3, Intel's AVX2 cores since Haswell). oneDNN refuses bf16 here (torch's bf16
   path needs AVX512BW/VL/DQ, or AVX-NE-CONVERT, which this level does not count on), so bf16 weights are
-  multiplied in fp32: from an fp32 copy, or as they are by the AVX2 kernel for a few rows (kernels/cpu.py).
+  multiplied in fp32: from an fp32 copy, or as they are by the AVX2 kernel for a few rows (npu_llm_kernels/cpu.py).
 - `avx512`: AVX-512 F/BW/VL/DQ (Skylake-SP, Cascade Lake): the AVX-512 decode kernel; bf16 weights multiplied
   in fp32 as at avx2 (oneDNN would emulate bf16, at about a quarter of its fp32 speed).
 - `avx512_bf16`: AVX512-BF16 too (Zen 4/5, Cooper Lake): bf16 multiplied in hardware.

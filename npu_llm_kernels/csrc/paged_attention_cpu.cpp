@@ -1,7 +1,7 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place from
 // the block-table cache ([num_blocks, block_size, num_kv_heads, head_dim]), no gather copy.
 // One task per sequence computes all its query heads: each K/V row is read from memory once, each
-// block front to back, the next blocks prefetched. Semantics: kernels/torch_ref.py::decode_attention.
+// block front to back, the next blocks prefetched. Semantics: npu_llm_kernels/torch_ref.py::decode_attention.
 // On AVX-512 CPUs decode_attention_avx512.cpp takes fp32 and bf16 at head dims 64 and 128; this kernel
 // everything else.
 #include "ops.h"

@@ -4,7 +4,7 @@ from oneDNN-packed weights (computed in fp32 on CPUs without bf16 hardware).
 
 Decode attention is where the portable version spends its time on a CPU: it gathers every
 sequence's K/V into a padded copy before attending. The C++ kernel reads K/V in place through
-the block table. What runs is chosen by the CPU's level (kernels/cpu_features.py): the extension is
+the block table. What runs is chosen by the CPU's level (npu_llm_kernels/cpu_features.py): the extension is
 compiled once per level with torch's cpp_extension (cached under TORCH_EXTENSIONS_DIR, one build per
 level); without a compiler, or with NPU_LLM_CPU_KERNELS=0, torch_ref is used.
 """
@@ -19,11 +19,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import torch_ref
-from kernels.timing import scope
-from kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
-from kernels.cpu_features import BUILDS, cpu_features
-from kernels.metadata import AttentionMetadata
+from npu_llm_kernels import torch_ref
+from npu_llm_kernels.timing import scope
+from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
+from npu_llm_kernels.cpu_features import BUILDS, cpu_features
+from npu_llm_kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"

@@ -1,4 +1,4 @@
-// The CPU extension's ops: kernels/cpu.py builds the .cpp files of this folder into one module.
+// The CPU extension's ops: npu_llm_kernels/cpu.py builds the .cpp files of this folder into one module.
 //
 // Only the headers the kernels use: <torch/extension.h> (all of torch, pybind11 and Python) takes
 // about 40 s to parse per file on a 2-core machine, these about 3, and the build runs at first start.
@@ -36,8 +36,8 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 // (has_linear_bf16_weights says whether this build has it).
 at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 bool has_linear_bf16_weights();
-// The experts of a MoE layer (kernels/torch_ref.py fused_experts), x and weights fp32 or bf16, the weights in stripes
-// of expert_stripe() columns ([E, N / S, K, S]); experts with at least `onednn_from` tokens (0: none) run their
+// The experts of a MoE layer (npu_llm_kernels/torch_ref.py fused_experts), x and weights fp32 or bf16, the weights in
+// stripes of expert_stripe() columns ([E, N / S, K, S]); experts with at least `onednn_from` tokens (0: none) run their
 // matmuls through oneDNN's matmul, bf16 ones with at least `brgemm_from` (0: none; pairs builds) through its brgemm
 // microkernel on the packed weights. has_fused_experts: whether this build has it.
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,

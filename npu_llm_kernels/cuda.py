@@ -4,7 +4,7 @@ version must differ from the reference (a flash-attention varlen or paged kernel
 tests/test_cuda.py holds it to torch_ref."""
 from __future__ import annotations
 
-from kernels.torch_ref import (  # noqa: F401
+from npu_llm_kernels.torch_ref import (  # noqa: F401
     add_rms_norm,
     decode_graph_widths,
     fused_experts,

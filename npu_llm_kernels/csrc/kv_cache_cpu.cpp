@@ -1,4 +1,4 @@
-// Writes a step's new K/V rows into their cache slots. Semantics: kernels/torch_ref.py::reshape_and_cache.
+// Writes a step's new K/V rows into their cache slots. Semantics: npu_llm_kernels/torch_ref.py::reshape_and_cache.
 //
 // The slots of a decode step lie anywhere in a cache far larger than the CPU's caches, so each write waits
 // on memory; index_copy_ issued them one after another (about 75 us per layer for 64 tokens in a 4 GiB

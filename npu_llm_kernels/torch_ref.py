@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata, cdiv
-from kernels.timing import scope
+from npu_llm_kernels.metadata import AttentionMetadata, cdiv
+from npu_llm_kernels.timing import scope
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

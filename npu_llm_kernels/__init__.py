@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kernels.metadata import AttentionMetadata
+from npu_llm_kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "ops_for"]
 
@@ -11,15 +11,15 @@ __all__ = ["AttentionMetadata", "ops_for"]
 def ops_for(platform: str) -> ModuleType:
     """The kernel module for a platform name: "cpu", "cuda" or "npu"."""
     if platform == "cpu":
-        from kernels import cpu
+        from npu_llm_kernels import cpu
 
         return cpu
     if platform == "cuda":
-        from kernels import cuda
+        from npu_llm_kernels import cuda
 
         return cuda
     if platform == "npu":
-        from kernels import npu
+        from npu_llm_kernels import npu
 
         return npu
     raise ValueError(f"unknown platform {platform!r}: expected cpu, cuda or npu")
