@@ -13,12 +13,12 @@ The server panel and the plots refresh from Triton's /metrics every few seconds 
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,9 @@ STORE_KEY = "npu-llm-conversations"
 # drawn anew at each start (Gradio's default) would leave the stored conversations unreadable after a restart.
 STORE_SECRET = "npu-llm-chat-conversations"
 REGENERATE, REGENERATE_SELECTED = "Regenerate", "Regenerate selected"
+# A streaming reply redraws the chat at most this often: the page renders the whole message anew at each update,
+# and a slow browser given one per token falls ever further behind (its clicks wait behind the backlog).
+REDRAW_S = 0.1
 SKIP = gr.skip()  # (an output left as it is)
 
 
@@ -55,8 +58,7 @@ class Session:
     chat goes through a handler that keeps it, so the store, not the page's copy as it stood when an event fired,
     is the chat. `reply` counts who took the chat last: a reply streams only while no later event took it (another
     reply, a switch, a new chat, a delete, Clear, Stop); `streamed` is its latest messages, not yet kept, and
-    `delivering` is true while one of its updates is on its way to the page. `selected` is the message chosen for
-    Regenerate.
+    `stats` the stats line as the chat's holder last drew it. `selected` is the message chosen for Regenerate.
     """
 
     def __init__(self):
@@ -64,25 +66,19 @@ class Session:
         self.restored = False
         self.reply = 0
         self.streamed: tuple[int, list[dict]] | None = None
-        self.delivering = False
+        self.stats = ""
         self.selected: int | None = None
 
     def restore(self, stored) -> None:
         if not self.restored:
             self.store, self.restored = conversations.loaded(stored), True
 
-    async def take_chat(self) -> int:
-        """The chat taken from whoever had it, once the reply's update already on its way has reached the page, so
-        that what the taker draws comes after it. (Gradio resumes a generator once its update is queued to the
-        page; 1 s at most.)"""
+    def take_chat(self) -> int:
+        """The chat taken from whoever had it (its stats line emptied): a reply streaming now stops at its next
+        token."""
         self.reply += 1
-        self.selected = None
-        turn = self.reply
-        for _ in range(100):
-            if not self.delivering:
-                break
-            await asyncio.sleep(0.01)
-        return turn
+        self.selected, self.stats = None, ""
+        return self.reply
 
     def chat(self) -> list[dict]:
         """The chat as it stands: the streaming reply's latest messages while one streams, else the kept ones."""
@@ -107,30 +103,33 @@ def build_app(settings: UISettings) -> gr.Blocks:
         question (kept at once, the stats emptied for the reply; `shown_first` are the message box's and
         Regenerate's values), then the reply as it streams, then the reply kept. Once another event took the chat
         it stops, and leaves the screen and the store to that event."""
-        turn = await session.take_chat()
+        turn = session.take_chat()
         yield [shown_first[0], asked, "", shown_first[1], *saved(session, asked, query, values)]
         if not asked or asked[-1]["role"] != "user":
             return  # (nothing to answer)
-        reply, stats = [], ""
+        reply, stats, drawn = [], "", 0.0
         try:
             async with contextlib.aclosing(client.stream_reply(asked, _settings(values))) as replies:
                 async for reply, stats in replies:
                     if session.reply != turn:
                         break  # (closing the stream cancels the request on the server)
-                    session.streamed = (turn, asked + reply)
-                    session.delivering = True
-                    yield [SKIP, asked + reply, stats, SKIP, SKIP, SKIP, SKIP]
-                    session.delivering = False
+                    session.streamed, session.stats = (turn, asked + reply), stats
+                    if time.monotonic() - drawn >= REDRAW_S:
+                        drawn = time.monotonic()
+                        yield [SKIP, asked + reply, stats, SKIP, SKIP, SKIP, SKIP]
         except Exception as e:  # (a note in the chat, never a traceback; a cancel is no Exception)
             reply = settled([m for m in reply if is_thought(m)]) + [note(client.error_text(e))]  # its thoughts stay
             stats = "request failed"
         finally:
-            session.delivering = False
             if session.streamed is not None and session.streamed[0] == turn:
                 session.streamed = None
         if session.reply != turn:
-            yield [SKIP] * 7  # (Gradio repeats a generator's last output when it ends: this one changes nothing)
+            # The page applies each event's updates in their order, but not in order across events: this reply's
+            # last updates may land after what the event that took the chat drew. So it ends by drawing the chat as
+            # it is now, with the taker's stats line.
+            yield [SKIP, session.chat(), session.stats, SKIP, SKIP, SKIP, SKIP]
             return
+        session.stats = stats
         yield [SKIP, asked + reply, stats, SKIP, *saved(session, asked + reply, query, values)]
 
     # What shows the store's current conversation -----------------------------------------------------------------
@@ -170,7 +169,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
     async def switch(session, stored, chosen, query, *values):
         session.restore(stored)
         saved(session, session.chat(), query, values)  # (the one left: a reply cut short stays with it)
-        await session.take_chat()
+        session.take_chat()
         session.store = conversations.switched(session.store, chosen)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
@@ -187,7 +186,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
 
     async def delete_current(session, stored, query):
         session.restore(stored)
-        await session.take_chat()
+        session.take_chat()
         session.store = conversations.deleted(session.store)
         return [session.store, sidebar(session.store, query)] + on_screen(session.store)
 
@@ -235,15 +234,16 @@ def build_app(settings: UISettings) -> gr.Blocks:
         """[stats, chatbot, Regenerate, *kept]: the reply as far as it came, kept, its stats line saying so."""
         session.restore(stored)
         chat = settled(session.chat())  # (no thought left "thinking")
-        await session.take_chat()
+        session.take_chat()
         if "streaming" in stats:  # (and only then)
             stats = f"{stats.replace(' · streaming…', '')} · stopped"
+        session.stats = stats
         return [stats, chat, REGENERATE, *saved(session, chat, query, values)]
 
     async def clear_chat(session, stored, query, *values):
         """[chatbot, stats, Regenerate, *kept]: an empty chat (which the store does not keep)."""
         session.restore(stored)
-        await session.take_chat()
+        session.take_chat()
         return [[], "", REGENERATE, *saved(session, [], query, values)]
 
     async def export(kind, session, stored, *values):
@@ -333,22 +333,22 @@ def build_app(settings: UISettings) -> gr.Blocks:
             chatbot.edit(edited, chat_inputs, **replies),
         ]
         chatbot.select(select_message, session, regenerate, queue=False)
-        # (these take the chat first, which stops the reply's updates; the cancellation then closes its stream)
+        # The events below take the chat, so a streaming reply stops at its next token and draws the chat as the
+        # taker left it. Stop also cancels the reply's event, which closes its stream at once (no token may come).
         stop.click(stop_reply, [session, stored, stats, search, *settings_inputs], [stats, chatbot, regenerate, *kept],
                    cancels=events)
         for cleared in (clear.click, chatbot.clear):  # (the chatbot's own bin icon too)
-            cleared(clear_chat, [session, stored, search, *settings_inputs], [chatbot, stats, regenerate, *kept],
-                    cancels=events)
+            cleared(clear_chat, [session, stored, search, *settings_inputs], [chatbot, stats, regenerate, *kept])
         # A setting belongs to the conversation it is changed in; text boxes are kept when left, not per key.
         gr.on([c.blur if isinstance(c, gr.Textbox) else c.change for c in settings_inputs], persist, chat_inputs,
               kept, trigger_mode="always_last", show_progress="hidden", queue=False)
 
-        new_chat.click(start_new, chat_inputs, [stored, conversation_list, *screen], cancels=events)
+        new_chat.click(start_new, chat_inputs, [stored, conversation_list, *screen])
         conversation_list.input(switch, [session, stored, conversation_list, search, *settings_inputs],
-                                [stored, conversation_list, *screen], cancels=events)
+                                [stored, conversation_list, *screen])
         gr.on([rename.click, title_box.submit], rename_current, [session, stored, title_box, search], kept,
               queue=False)
-        delete.click(delete_current, [session, stored, search], [stored, conversation_list, *screen], cancels=events)
+        delete.click(delete_current, [session, stored, search], [stored, conversation_list, *screen])
         search.change(lambda s, q: sidebar(s.store, q), [session, search], conversation_list, queue=False)
         export_md.click(export_markdown, [session, stored, *settings_inputs], exported)
         export_js.click(export_json, [session, stored, *settings_inputs], exported)
