@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from backend.distributed import TensorParallel
 from backend.models.architectures import MoeSpec
+from backend.models.layers import MLP
 from npu_llm_kernels.timing import scope
 
 # A checkpoint's expert tensors: one per expert (`experts.3.gate_proj.weight`; Mixtral's w1 / w3 / w2), or
@@ -128,8 +129,6 @@ class SparseMoeBlock(nn.Module):
     """A decoder layer's MLP when it has experts: routed experts, plus shared experts where the model has them."""
 
     def __init__(self, config, spec: MoeSpec, ops: ModuleType, tp: TensorParallel, expert_parallel: bool):
-        from backend.models.llama import MLP
-
         super().__init__()
         spec.check()
         self.spec, self.ops, self.tp = spec, ops, tp

@@ -1,0 +1,101 @@
+"""The layers every decoder here is built of, tensor-parallel as vLLM shards them: linear layers whose matmul and
+weight layout come from the platform's kernels (column-parallel is a plain Linear over this rank's rows;
+RowParallelLinear sums partial products with one all-reduce), the vocab-parallel embedding, RMSNorm, and the gated
+SiLU MLP."""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from backend.distributed import SINGLE, TensorParallel
+from npu_llm_kernels.timing import scope
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul and weight layout come from the platform's kernels (see pack)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType):
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with scope("matmul"):
+            return self.ops.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Swap the loaded weight for the kernels' preferred layout (inference only; weights are final)."""
+        packed = self.ops.pack_linear_weight(self.weight.data)
+        if packed is not self.weight.data:
+            del self.weight
+            self.register_buffer("weight", packed, persistent=False)
+
+
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split across ranks: partial products, summed by one all-reduce;
+    the bias is added once, after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType, tp: TensorParallel,
+                 reduce_results: bool = True):
+        super().__init__(in_features, out_features, bias, ops)
+        self.tp = tp
+        self.reduce_results = reduce_results  # False: the caller sums this partial result with others, once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        with scope("matmul"):
+            y = self.ops.linear(x, self.weight, None)
+        if not self.reduce_results:
+            return y if self.bias is None or self.tp.rank else y + self.bias
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds a contiguous range of the vocabulary's rows; a token's row comes from the rank
+    that holds it (the others contribute zeros to the all-reduce)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__(tp.split(vocab_size, "vocab_size"), hidden_size)
+        self.tp = tp
+        self.start = tp.rank * self.num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        held = (local >= 0) & (local < self.num_embeddings)
+        rows = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.tp.all_reduce(rows * held.unsqueeze(-1).to(rows.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: ModuleType):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (expected silu)")
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = tp.split(intermediate_size or config.intermediate_size, "intermediate_size")
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias, ops)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, ops, tp, reduce_results)
+        self.ops = ops
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
