@@ -89,11 +89,14 @@ TINY = dict(
 
 # Tiny mixtures of experts: 8 experts, top-2, small experts; every layer sparse unless said otherwise.
 TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# Tiny latent attention (DeepSeek): a latent row of 32 + 16 values, heads of 24 + 16 for q . k and 20 for values
+TINY_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20)
 
 
 def _tiny_config(arch: str):
     from transformers import (
-        Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+        DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+        Qwen3Config, Qwen3MoeConfig,
     )
 
     if arch == "llama":  # llama3 rope scaling and untied embeddings
@@ -126,6 +129,19 @@ def _tiny_config(arch: str):
                              n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                              first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
                              tie_word_embeddings=False)
+    if arch == "deepseek_v2":  # V2-Lite's shape: no q low rank, greedy softmax routing, two shared experts
+        return DeepseekV2Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, **TINY_MOE,
+                                **TINY_MLA, q_lora_rank=None, n_routed_experts=8, n_shared_experts=2,
+                                topk_method="greedy", norm_topk_prob=False, first_k_dense_replace=1,
+                                routed_scaling_factor=1.0, tie_word_embeddings=False)
+    if arch == "deepseek_v3":  # q low rank, grouped sigmoid routing with a correction bias, YaRN
+        return DeepseekV3Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, **TINY_MOE,
+                                **TINY_MLA, q_lora_rank=48, n_routed_experts=8, n_shared_experts=1, n_group=2,
+                                topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 128, "beta_fast": 32,
+                                                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                tie_word_embeddings=False)
     raise ValueError(arch)
 
 

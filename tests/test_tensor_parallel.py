@@ -54,10 +54,11 @@ def test_two_ranks_over_gloo_equal_one(arch, tmp_path, default_model_dir):
     _assert_same(alone, sharded)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3"])
 def test_moe_experts_sharded_or_spread_over_two_ranks_equal_one(arch, tmp_path, default_model_dir):
     """Tensor parallel splits every expert's intermediate size; expert parallel gives each rank half the experts
-    whole. Both give one process's greedy tokens and top-5 logprobs (GLM-4.5: with its shared expert)."""
+    whole. Both give one process's greedy tokens and top-5 logprobs (GLM-4.5 and DeepSeek: with their shared
+    experts; DeepSeek's latent attention splits its heads, and each rank caches the whole latent)."""
     model_dir = make_tiny_model(arch, tmp_path / arch)
     alone, _ = _generate(model_dir, default_model_dir, 1)
     sharded, stats = _generate(model_dir, default_model_dir, 2)

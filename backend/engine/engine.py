@@ -132,8 +132,9 @@ class LLMEngine:
         self._warm_up()
         self.model.init_expert_load()  # (counting from here: warm-up's tokens are not served ones)
         device = f"cpu ({cpu_kernels.describe()})" if self.platform.name == "cpu" else self.platform.device
-        log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
-                 config.block_size)
+        per_token = ModelRunner.bytes_per_block(self.model, 1)
+        log.info("engine ready: %s on %s, %d KV blocks of %d tokens, %d bytes a token (%s)", self.model_dir, device,
+                 num_blocks, config.block_size, per_token, "latent rows" if self.model.latent_kv else "keys and values")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if there are any), leave their process group, and free the KV cache.

@@ -67,13 +67,16 @@ class ModelRunner:
             raise RuntimeError("the decode graphs read the KV tensors: allocate the cache before capturing them")
         shape = (num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = []  # the old tensors go before the new ones are made
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.model.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.model.dtype, device=self.device))
-            for _ in range(self.model.num_layers)
-        ]
+        self.kv_caches = [self._layer_cache(shape) for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
+
+    def _layer_cache(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) of a layer; a latent cache (DeepSeek's MLA) is one tensor, read as both."""
+        key_cache = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+        if self.model.latent_kv:
+            return key_cache, key_cache
+        return key_cache, torch.zeros(shape, dtype=self.model.dtype, device=self.device)
 
     def release_kv_cache(self) -> None:
         """Free the KV tensors, and the decode graphs that read them: the engine is shut down."""
@@ -95,7 +98,8 @@ class ModelRunner:
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
         dtype = model.dtype
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+        tensors = 1 if model.latent_kv else 2  # (key and value, or one latent row)
+        return tensors * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_len: int, num_seqs: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 All of them are one decoder (backend/models/llama.py): attention with rotary positions, RMSNorm, and a gated
 SiLU MLP, which some layers replace by a mixture of experts (backend/models/moe.py). The differences are
 flags: which projections carry a bias, whether q and k are RMS-normalised per head (Qwen3, optionally
-GLM-4.5), how many of a head's dimensions rotate (GLM-4.5: half), and how the experts are routed.
+GLM-4.5), how many of a head's dimensions rotate (GLM-4.5: half), whether attention is DeepSeek's multi-head
+latent attention (backend/models/mla.py), and how the experts are routed.
 """
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from dataclasses import dataclass
 
 DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
-SUPPORTED_ARCHITECTURES = DENSE + MOE
+LATENT_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # (and their experts)
+SUPPORTED_ARCHITECTURES = DENSE + MOE + LATENT_ATTENTION
+
+
+def is_mla(config) -> bool:
+    """Whether attention is multi-head latent attention (DeepSeek V2/V3), with its latent KV cache."""
+    return config.model_type in ("deepseek_v2", "deepseek_v3")
 
 
 def head_dim_of(config) -> int:
@@ -88,6 +95,22 @@ def moe_spec(config) -> MoeSpec | None:
             topk_group=config.topk_group, correction_bias=True, routed_scaling_factor=float(config.routed_scaling_factor),
             shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
         )
+    if config.model_type == "deepseek_v2":  # softmax; greedy, or group_limited_greedy (groups ranked by their best)
+        grouped = getattr(config, "topk_method", "greedy") == "group_limited_greedy"
+        return MoeSpec(
+            config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            renormalize=bool(config.norm_topk_prob), num_expert_group=config.n_group if grouped else None,
+            topk_group=config.topk_group if grouped else None,
+            routed_scaling_factor=float(config.routed_scaling_factor),
+            shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+        )
+    if config.model_type == "deepseek_v3":  # noaux_tc: as GLM-4.5 (which took it from V3)
+        return MoeSpec(
+            config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            renormalize=bool(config.norm_topk_prob), scoring_func="sigmoid", num_expert_group=config.n_group,
+            topk_group=config.topk_group, correction_bias=True, routed_scaling_factor=float(config.routed_scaling_factor),
+            shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+        )
     return None
 
 
@@ -98,10 +121,13 @@ def is_moe_layer(config, index: int) -> bool:
                 and (index + 1) % config.decoder_sparse_step == 0)
     if config.model_type == "glm4_moe":
         return index >= config.first_k_dense_replace
+    if is_mla(config):  # dense before first_k_dense_replace, then every moe_layer_freq-th layer
+        return (config.n_routed_experts is not None and index >= config.first_k_dense_replace
+                and index % (getattr(config, "moe_layer_freq", 1) or 1) == 0)
     return config.model_type == "mixtral"
 
 
 def extra_layers_of(config) -> int:
     """Decoder layers a checkpoint carries beyond num_hidden_layers that the model does not run: GLM-4.5's
-    multi-token-prediction layer (num_nextn_predict_layers), used only for speculative decoding."""
+    and DeepSeek V3's multi-token-prediction layer (num_nextn_predict_layers), used only for speculative decoding."""
     return int(getattr(config, "num_nextn_predict_layers", 0) or 0)

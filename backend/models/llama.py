@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 from backend.distributed import SINGLE, TensorParallel
 from backend.models.architectures import (
-    attention_spec, head_dim_of, is_moe_layer, moe_spec, rope_parameters_of, rotary_dim_of,
+    attention_spec, head_dim_of, is_mla, is_moe_layer, moe_spec, rope_parameters_of, rotary_dim_of,
 )
 from backend.models.layers import MLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from backend.models.mla import MLAttention
 from backend.models.moe import FusedMoE, SparseMoeBlock
 from npu_llm_kernels import AttentionMetadata
 from npu_llm_kernels.timing import scope
@@ -124,7 +125,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, index: int, ops: ModuleType, tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops, tp)
+        self.self_attn = MLAttention(config, ops, tp) if is_mla(config) else Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         if is_moe_layer(config, index):
             self.mlp = SparseMoeBlock(config, moe_spec(config), ops, tp, expert_parallel)
@@ -157,15 +158,12 @@ class LlamaModel(nn.Module):
         return x
 
 
+# checkpoint tensor name part -> (our fused parameter name part, which shard)
+STACKED_MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+STACKED_QKV = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
+
 class LlamaForCausalLM(nn.Module):
-    # checkpoint tensor name part -> (our fused parameter name part, which shard)
-    stacked_params = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
 
     def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()
@@ -178,8 +176,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.ops = ops
         self.lm_head_weight = None  # the output projection in the kernels' layout, set by pack_weights
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's (its KV cache holds these)
-        self.head_dim = head_dim_of(config)
+        attn = self.model.layers[0].self_attn
+        # the KV cache: this rank's KV heads; with latent attention one latent row a token, read as key and value
+        self.latent_kv = isinstance(attn, MLAttention)
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.cache_dim if self.latent_kv else head_dim_of(config)
+        self.stacked_params = STACKED_MLP if self.latent_kv else {**STACKED_QKV, **STACKED_MLP}
         self.cos_sin_cache = None  # built by init_rope once the model sits on its device and dtype
 
     @property
@@ -208,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.size == 1:
             return None
         attn, rank = self.model.layers[0].self_attn, self.tp.rank
+        if self.latent_kv and ".self_attn." in key:
+            return _latent_attention_shard(key, attn, rank)
         if ".q_proj." in key:
             return 0, rank * attn.q_size, attn.q_size
         if ".k_proj." in key or ".v_proj." in key:
@@ -242,6 +246,9 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """After loading: every matmul weight into the kernels' layout (the embedding keeps its own for lookups)."""
+        for layer in self.model.layers:
+            if self.latent_kv:
+                layer.self_attn.absorb_weights()
         for module in self.modules():
             if isinstance(module, (Linear, FusedMoE)):
                 module.pack()
@@ -270,3 +277,17 @@ class LlamaForCausalLM(nn.Module):
                 weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
                 logits = F.linear(hidden, weight)
         return self.tp.all_gather(logits)  # each rank's vocabulary range, in rank order
+
+
+def _latent_attention_shard(key: str, attn: MLAttention, rank: int) -> tuple[int, int, int] | None:
+    """This rank's heads of a latent attention tensor: rows of the query and kv_b projections, columns of o_proj;
+    the latent's own projections and norms are replicated."""
+    if ".q_b_proj." in key or ".q_proj." in key:
+        return 0, rank * attn.num_heads * attn.qk_head_dim, attn.num_heads * attn.qk_head_dim
+    if ".kv_b_proj." in key:
+        rows = attn.num_heads * (attn.nope_dim + attn.v_head_dim)
+        return 0, rank * rows, rows
+    if key.endswith("o_proj.weight"):
+        return 1, rank * attn.num_heads * attn.v_head_dim, attn.num_heads * attn.v_head_dim
+    return None
+

@@ -106,6 +106,9 @@ def load_model(
     for router in (m for m in module.modules() if isinstance(m, Router)):
         router.float()
     module = module.to_empty(device=device)
+    if module.latent_kv and device.type == "npu":
+        raise ModelLoadError(f"{model_dir.name}: DeepSeek's latent attention does not run on the NPU yet (vllm-ascend's "
+                             "MLA ops are not wired up); serve it on the CPU or a CUDA GPU")
     _load_weights(module, _checkpoint_files(model_dir))
     module.pack_weights()
     module.init_expert_load()

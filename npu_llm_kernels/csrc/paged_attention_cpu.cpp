@@ -57,6 +57,9 @@ inline void for_each_row(const T* cache, const int32_t* table, int64_t ctx, int6
   }
 }
 
+// The widest row a head may have: DeepSeek's latent rows (kv_lora_rank 512 + rope 64) are 576.
+constexpr int64_t kMaxHeadDim = 1024;
+
 // One sequence, all its heads. HD is the head dim when known at compile time (0: runtime), which
 // lets the compiler keep a whole K/V row in vector registers. q and acc are [num_heads, head_dim],
 // scores [num_heads, ctx]; query heads h * group ... (h + 1) * group - 1 attend with KV head h.
@@ -66,7 +69,7 @@ void attend_sequence(const float* q, const T* key_cache, const T* value_cache, c
                      float* acc) {
   const int64_t head_dim = HD ? HD : runtime_dim;
   const int64_t num_heads = num_kv_heads * group;
-  float row[HD ? HD : 512];
+  float row[HD ? HD : kMaxHeadDim];
 
   for_each_row<HD>(key_cache, table, ctx, block_size, num_kv_heads, head_dim, row, [&](int64_t t, int64_t h) {
     for (int64_t g = h * group; g < (h + 1) * group; ++g) {
@@ -134,7 +137,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim, "head shapes do not match");
-  TORCH_CHECK(head_dim <= 512, "head_dim above 512 is not supported");
+  TORCH_CHECK(head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
   if (paged_decode_attention_avx512(q, key_cache, value_cache, tables, lens, out, static_cast<float>(scale))) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),

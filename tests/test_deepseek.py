@@ -1,0 +1,79 @@
+"""DeepSeek V2/V3: multi-head latent attention over a latent KV cache, YaRN, and DeepSeek's expert routing.
+
+Tiny random models of V2-Lite's shape (no q low rank, greedy softmax routing, two shared experts) and V3's (q low
+rank, grouped sigmoid routing with a correction bias, YaRN) equal transformers in fp32, with the rope dimensions
+interleaved as DeepSeek lays them out or not; the engine serves them through chunked prefill, a prefix-cache hit
+and preemption; and the KV cache holds one latent row a token, not keys and values per head."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend.engine.runner import ModelRunner
+from backend.models.loader import ModelLoadError, load_model
+from npu_llm_kernels import ops_for
+from tests.conftest import TINY, TINY_MLA, hf_model, make_tiny_model
+from tests.test_model_parity import _check_against_hf
+
+SHAPES = {
+    "v2-lite": ("deepseek_v2", {}),
+    "v2 group-limited": ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    "v3": ("deepseek_v3", {}),
+    "v3 rope not interleaved": ("deepseek_v3", dict(rope_interleave=False)),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_shape_equals_transformers(shape, tmp_path):
+    arch, overrides = SHAPES[shape]
+    model_dir = make_tiny_model(arch, tmp_path / arch, **overrides)
+    prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    _check_against_hf(model_dir, prompt, 16)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_the_engine_serves_it_through_chunks_cache_hits_and_preemption(arch, tmp_path, default_model_dir, caplog):
+    """Greedy tokens from the engine equal transformers' generate, with prompts longer than a step's budget
+    (chunked prefill), one prompt twice (a prefix-cache hit), and too few KV blocks for all at once (preemption);
+    the KV cache it reports holds the latent's bytes a token."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
+    model_dir = make_tiny_model(arch, tmp_path / arch, vocab_size=vocab)
+    rng = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 500, (40,), generator=rng).tolist()
+    prompts = [shared, shared + [7, 8], torch.randint(3, 500, (70,), generator=rng).tolist()]
+    reference = hf_model(model_dir)
+    expected = [reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[
+        0, len(p):].tolist() for p in prompts]
+    caplog.set_level(logging.INFO, logger="backend.engine.engine")
+    with LLM(model=str(model_dir), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
+             num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=3) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        stats = llm.engine.stats()
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+        assert llm.engine.kv.num_free_blocks == 12  # every block back in the pool
+    latent = 3 * (TINY_MLA["kv_lora_rank"] + TINY_MLA["qk_rope_head_dim"]) * 4  # three layers, one fp32 row each
+    assert f"{latent} bytes a token (latent rows)" in caplog.text
+
+
+def test_the_kv_cache_is_one_latent_row_a_token_shared_by_key_and_value(tmp_path):
+    """One tensor a layer, [blocks, block size, 1, kv_lora_rank + qk_rope_head_dim], read as both key and value:
+    at this shape 48 values a token and layer, where keys and values per head would take 4 * (40 + 20)."""
+    model, _, _ = load_model(make_tiny_model("deepseek_v3", tmp_path / "v3"), ops_for("cpu"), dtype="float32")
+    runner = ModelRunner(model, num_blocks=4, block_size=16, device="cpu")
+    key_cache, value_cache = runner.kv_caches[0]
+    assert value_cache is key_cache and key_cache.shape == (5, 16, 1, 48)
+    heads = TINY["num_attention_heads"]
+    per_head = heads * (TINY_MLA["qk_nope_head_dim"] + TINY_MLA["qk_rope_head_dim"] + TINY_MLA["v_head_dim"])
+    assert ModelRunner.bytes_per_block(model, 1) == 3 * 48 * 4 < 3 * per_head * 4
+
+
+def test_it_is_refused_on_the_npu_until_its_ops_are_there(tmp_path, fake_npu):
+    with pytest.raises(ModelLoadError, match="latent attention does not run on the NPU"):
+        load_model(make_tiny_model("deepseek_v2", tmp_path / "v2"), ops_for("npu"), device="npu", dtype="bfloat16")
