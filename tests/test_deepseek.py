@@ -11,12 +11,12 @@ import logging
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
 from backend.engine.runner import ModelRunner
 from backend.models.loader import ModelLoadError, load_model
 from npu_llm_kernels import ops_for
-from tests.conftest import TINY, TINY_MLA, hf_model, make_tiny_model
+from tests.conftest import TINY, TINY_MLA, make_tiny_model
 from tests.test_model_parity import _check_against_hf
+from tests.test_moe_models import served_through_chunks_hits_and_preemption
 
 SHAPES = {
     "v2-lite": ("deepseek_v2", {}),
@@ -36,28 +36,11 @@ def test_each_shape_equals_transformers(shape, tmp_path):
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_the_engine_serves_it_through_chunks_cache_hits_and_preemption(arch, tmp_path, default_model_dir, caplog):
-    """Greedy tokens from the engine equal transformers' generate, with prompts longer than a step's budget
-    (chunked prefill), one prompt twice (a prefix-cache hit), and too few KV blocks for all at once (preemption);
-    the KV cache it reports holds the latent's bytes a token."""
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
-    model_dir = make_tiny_model(arch, tmp_path / arch, vocab_size=vocab)
-    rng = torch.Generator().manual_seed(3)
-    shared = torch.randint(3, 500, (40,), generator=rng).tolist()
-    prompts = [shared, shared + [7, 8], torch.randint(3, 500, (70,), generator=rng).tolist()]
-    reference = hf_model(model_dir)
-    expected = [reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[
-        0, len(p):].tolist() for p in prompts]
+    """As a dense model (served_through_chunks_hits_and_preemption); the KV cache it reports holds the latent's
+    bytes a token."""
     caplog.set_level(logging.INFO, logger="backend.engine.engine")
-    with LLM(model=str(model_dir), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
-             num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=3) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-        stats = llm.engine.stats()
-        assert [o.outputs[0].token_ids for o in outputs] == expected
-        assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
-        assert llm.engine.kv.num_free_blocks == 12  # every block back in the pool
+    with served_through_chunks_hits_and_preemption(arch, tmp_path, default_model_dir):
+        pass
     latent = 3 * (TINY_MLA["kv_lora_rank"] + TINY_MLA["qk_rope_head_dim"]) * 4  # three layers, one fp32 row each
     assert f"{latent} bytes a token (latent rows)" in caplog.text
 

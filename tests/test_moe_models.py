@@ -5,6 +5,7 @@ preemption and structured outputs serve a MoE model as they serve a dense one; a
 its per-expert reference."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -109,22 +110,28 @@ def test_a_multi_token_prediction_layer_in_the_checkpoint_is_skipped(glm_dir, tm
 
 
 def test_the_engine_serves_a_moe_model_through_chunks_cache_hits_preemption_and_grammars(tmp_path, default_model_dir):
-    """Greedy tokens from the engine equal transformers' generate, with prompts longer than a step's budget
-    (chunked prefill), one prompt twice (a prefix-cache hit), and too few KV blocks for all at once (preemption);
-    a grammar constrains its output (the default model's tokenizer, so the model's vocabulary is its)."""
+    """Chunked prefill, a prefix-cache hit and preemption as for a dense model (served_through_chunks_hits_and_
+    preemption); a grammar constrains its output (the default model's tokenizer, so the vocabulary is its)."""
+    with served_through_chunks_hits_and_preemption("glm4_moe", tmp_path, default_model_dir) as llm:
+        choice = llm.generate("Pick one", SamplingParams(max_tokens=8, structured_outputs={"choice": ["yes", "no"]}))
+        assert choice[0].outputs[0].text in ("yes", "no")
+
+
+@contextlib.contextmanager
+def served_through_chunks_hits_and_preemption(arch: str, tmp_path, tokenizer_dir):
+    """An engine on a tiny `arch` model (the tokenizer's vocabulary) whose greedy tokens equal transformers'
+    generate, with prompts longer than a step's budget (chunked prefill), one prompt twice (a prefix-cache hit),
+    and too few KV blocks for all at once (preemption), every block back in the pool after; yields it."""
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))
-    glm_dir = make_tiny_model("glm4_moe", tmp_path / "glm", vocab_size=vocab)
+    model_dir = make_tiny_model(arch, tmp_path / arch, vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)))
     rng = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 500, (40,), generator=rng).tolist()
     prompts = [shared, shared + [7, 8], torch.randint(3, 500, (70,), generator=rng).tolist()]
-    reference = hf_model(glm_dir)
-    expected = []
-    for p in prompts:
-        out = reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
-        expected.append(out[0, len(p):].tolist())
-    with LLM(model=str(glm_dir), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
+    reference = hf_model(model_dir)
+    expected = [reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[
+        0, len(p):].tolist() for p in prompts]
+    with LLM(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype="float32", block_size=16,
              num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=3) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -132,8 +139,7 @@ def test_the_engine_serves_a_moe_model_through_chunks_cache_hits_preemption_and_
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
         assert llm.engine.kv.num_free_blocks == 12  # every block back in the pool
-        choice = llm.generate("Pick one", SamplingParams(max_tokens=8, structured_outputs={"choice": ["yes", "no"]}))
-        assert choice[0].outputs[0].text in ("yes", "no")
+        yield llm
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
