@@ -6,6 +6,7 @@ interleaved as DeepSeek lays them out or not; the engine serves them through chu
 and preemption; and the KV cache holds one latent row a token, not keys and values per head."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -60,3 +61,13 @@ def test_the_kv_cache_is_one_latent_row_a_token_shared_by_key_and_value(tmp_path
 def test_it_is_refused_on_the_npu_until_its_ops_are_there(tmp_path, fake_npu):
     with pytest.raises(ModelLoadError, match="latent attention does not run on the NPU"):
         load_model(make_tiny_model("deepseek_v2", tmp_path / "v2"), ops_for("npu"), device="npu", dtype="bfloat16")
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path):
+    """DeepSeek V3's release is FP8 with block scales: loaded as plain weights it would be garbage."""
+    model_dir = make_tiny_model("deepseek_v3", tmp_path / "v3")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="quantized checkpoints \\('fp8'\\) are not served yet"):
+        load_model(model_dir, ops_for("cpu"), dtype="float32")

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from backend.distributed import SINGLE, TensorParallel
-from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of
+from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of, is_mla
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.registry import resolve_model
@@ -37,6 +37,12 @@ def load_config(model_dir: Path):
             f"{model_dir / 'config.json'}: unsupported architecture {architectures or config.model_type!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:  # (its weights are not what the model's parameters hold: loading them would be garbage)
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ModelLoadError(
+            f"{model_dir / 'config.json'}: quantized checkpoints ({method!r}) are not served yet; use one in bf16, fp16 "
+            "or fp32 (DeepSeek's FP8 release converts with its fp8_cast_bf16.py)")
     return config
 
 
@@ -94,6 +100,9 @@ def load_model(
     device = torch.device(device)
     model_dir = resolve_model(model)
     config = load_config(model_dir)
+    if is_mla(config) and device.type == "npu":
+        raise ModelLoadError(f"{model_dir.name}: DeepSeek's latent attention does not run on the NPU yet (vllm-ascend's "
+                             "MLA ops are not wired up); serve it on the CPU or a CUDA GPU")
     torch_dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):
@@ -106,9 +115,6 @@ def load_model(
     for router in (m for m in module.modules() if isinstance(m, Router)):
         router.float()
     module = module.to_empty(device=device)
-    if module.latent_kv and device.type == "npu":
-        raise ModelLoadError(f"{model_dir.name}: DeepSeek's latent attention does not run on the NPU yet (vllm-ascend's "
-                             "MLA ops are not wired up); serve it on the CPU or a CUDA GPU")
     _load_weights(module, _checkpoint_files(model_dir))
     module.pack_weights()
     module.init_expert_load()
