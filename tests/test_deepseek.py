@@ -71,3 +71,19 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="quantized checkpoints \\('fp8'\\) are not served yet"):
         load_model(model_dir, ops_for("cpu"), dtype="float32")
+
+
+def test_verify_passes_in_bfloat16_on_the_cpu(tmp_path, default_model_dir):
+    """`npu-llm verify`: the engine's kernels in bf16 against torch_ref in fp32, on V3's shape."""
+    from transformers import AutoTokenizer
+
+    from backend.config import EngineConfig
+    from backend.verify import verify
+
+    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))  # (verify's prompts are text)
+    model_dir = make_tiny_model("deepseek_v3", tmp_path / "v3", vocab_size=vocab, decisive_routing=False)
+    config = EngineConfig(model=str(model_dir), tokenizer=str(default_model_dir), device="cpu", dtype="bfloat16")
+    heading, figures = verify(config, steps=8)
+    assert "on cpu in bfloat16" in heading
+    assert all(f.passed for f in figures), [(f.name, f.value) for f in figures if not f.passed]
+    assert {f.name for f in figures} >= {"layers 3-3 cosine", "logits top-1 agreement", "greedy tokens agreed (8 steps)"}
