@@ -12,8 +12,8 @@ from markdown_it import MarkdownIt
 from openai import OpenAI
 
 from tests.conftest import GATEWAY_API_KEY, free_port, start_gateway
-from tests.ui_browser import (ask, bot_text, chat_rows, chromium_page, cpu_throttled, exported, open_ui, reply_done,
-                              running_ui, set_field, watch_stats)
+from tests.ui_browser import (ask, bot_text, chat_rows, chromium_page, exported, open_ui, reply_done, running_ui,
+                              set_field, watch_stats)
 
 pytestmark = pytest.mark.slow
 
@@ -245,29 +245,26 @@ def test_errors_say_what_to_do(triton_server, gateway, page, log_dir):
 
 
 def test_a_reply_streaming_when_the_chat_is_switched_stays_with_its_conversation(ui, page, triton_server):
-    # (in a browser 4x slower, as on a loaded machine: the story's updates then queue up in the page, and some are
-    # applied after the switch is drawn)
-    with cpu_throttled(page, 4):
-        open_ui(page, ui)
-        bird = new_conversation(page, "Name a bird.")
-        question = "Tell me a long dragon story."
-        new_conversation(page, question, max_tokens="8")
-        set_field(page, "#max-tokens input[type=number]", "1500")
-        ask(page, "Make it much longer, with many chapters.")
-        page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
-        switch_to(page, "Name a bird.", bird)  # while it streams: it stops, on the server too
-        assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
-        wait_rows(page, bird)  # (the story's last updates the page applies end with the chat as the switch left it)
-        page.wait_for_timeout(2000)
-        assert chat_rows(page) == bird  # (and nothing of the story comes after)
+    open_ui(page, ui)
+    bird = new_conversation(page, "Name a bird.")
+    question = "Tell me a long dragon story."
+    new_conversation(page, question, max_tokens="8")
+    set_field(page, "#max-tokens input[type=number]", "1500")
+    ask(page, "Make it much longer, with many chapters.")
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('streaming')", timeout=60000)
+    switch_to(page, "Name a bird.", bird)  # while it streams: it stops, on the server too
+    assert triton_server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=15) == 0
+    wait_rows(page, bird)  # (the story's last updates the page applies end with the chat as the switch left it)
+    page.wait_for_timeout(2000)
+    assert chat_rows(page) == bird  # (and nothing of the story comes after)
 
-        page.locator("#conversations label").filter(has_text=question).click()
-        page.wait_for_function("n => document.querySelectorAll('#chatbot .message-row').length === n", arg=4,
-                               timeout=30000)
-        story = chat_rows(page)
-        assert story[2] == "Make it much longer, with many chapters." and story[3]  # what it had streamed, kept
-        open_ui(page, ui)
-        switch_to(page, question, story)
+    page.locator("#conversations label").filter(has_text=question).click()
+    page.wait_for_function("n => document.querySelectorAll('#chatbot .message-row').length === n", arg=4,
+                           timeout=30000)
+    story = chat_rows(page)
+    assert story[2] == "Make it much longer, with many chapters." and story[3]  # what it had streamed, kept
+    open_ui(page, ui)
+    switch_to(page, question, story)
 
 
 def test_a_question_sent_while_a_reply_streams_takes_the_chat(ui, page, triton_server):

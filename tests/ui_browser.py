@@ -50,18 +50,6 @@ def chromium_page():
             browser.close()
 
 
-@contextlib.contextmanager
-def cpu_throttled(page, rate: int):
-    """The page's CPU `rate` times slower (DevTools' throttling), as a slow or loaded machine's browser is."""
-    devtools = page.context.new_cdp_session(page)
-    devtools.send("Emulation.setCPUThrottlingRate", {"rate": rate})
-    try:
-        yield
-    finally:
-        devtools.send("Emulation.setCPUThrottlingRate", {"rate": 1})
-        devtools.detach()
-
-
 def open_ui(page, url: str) -> None:
     """The UI (re)loaded, its conversations restored from the browser's storage: the server panel fills in after
     that, which is the one sign waited for. Not the page's "load" event (once, on a fresh clone's CI, it did not
