@@ -24,6 +24,7 @@ from npu_llm_kernels.timing import scope
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features
 from npu_llm_kernels.metadata import AttentionMetadata
+from npu_llm_kernels.mla import PortableMLA as MLA  # noqa: F401  (latent attention, composed of the ops below)
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"

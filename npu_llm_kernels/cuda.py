@@ -5,6 +5,7 @@ tests/test_cuda.py holds it to torch_ref."""
 from __future__ import annotations
 
 from npu_llm_kernels.torch_ref import (  # noqa: F401
+    MLA,
     add_rms_norm,
     decode_graph_widths,
     fused_experts,

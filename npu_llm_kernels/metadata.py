@@ -76,3 +76,17 @@ class AttentionMetadata:
             block_tables=torch.from_numpy(table).to(device),
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
         )
+
+    def decodes(self) -> "AttentionMetadata":
+        """The metadata of the leading decode sequences alone (their tokens are the batch's first num_decodes)."""
+        n = self.num_decodes
+        return AttentionMetadata(
+            query_lens=self.query_lens[:n],
+            context_lens=self.context_lens[:n],
+            num_decodes=n,
+            block_size=self.block_size,
+            slot_mapping=self.slot_mapping[:n],
+            block_tables=self.block_tables[:n],
+            context_lens_tensor=self.context_lens_tensor[:n],
+            graph_capture=self.graph_capture,
+        )

@@ -82,7 +82,8 @@ def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadat
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence: q [q_len, Hq, D] are the last q_len of the ctx_len tokens in k/v [ctx_len, Hkv, D]."""
+    """One sequence: q [q_len, Hq, D] are the last q_len of the ctx_len tokens in k/v [ctx_len, Hkv, D]
+    (v's head size may differ from q's and k's, as in MLA's up-projected prefill)."""
     q_len, num_heads, head_dim = q.shape
     ctx_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -90,7 +91,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     # both leading dims, and it is about twice as fast as enable_gqa or repeat_interleave.
     q4 = q.transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
     k4 = k.transpose(0, 1)[:, None].expand(num_kv_heads, group, ctx_len, head_dim)
-    v4 = v.transpose(0, 1)[:, None].expand(num_kv_heads, group, ctx_len, head_dim)
+    v4 = v.transpose(0, 1)[:, None].expand(num_kv_heads, group, ctx_len, v.shape[-1])
     if ctx_len == q_len:
         o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
     else:
@@ -98,7 +99,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
-    return o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+    return o.reshape(num_heads, q_len, v.shape[-1]).transpose(0, 1)
 
 
 def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -240,3 +241,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 def pack_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The stacked expert weights in the layout fused_experts runs fastest from (here: as they are)."""
     return w13, w2
+
+
+# Latent attention (DeepSeek's MLA) composed of the ops above (at the end: mla.py reads this module's functions).
+from npu_llm_kernels.mla import PortableMLA as MLA  # noqa: E402

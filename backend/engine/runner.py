@@ -72,11 +72,11 @@ class ModelRunner:
         self.scratch_block = num_blocks
 
     def _layer_cache(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) of a layer; a latent cache (DeepSeek's MLA) is one tensor, read as both."""
-        key_cache = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+        """(key_cache, value_cache) of a layer; a latent cache (DeepSeek's MLA) as the platform's MLA kernels lay it
+        out (one tensor read as both, or the NPU's latent and rope parts)."""
         if self.model.latent_kv:
-            return key_cache, key_cache
-        return key_cache, torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+            return self.model.ops.MLA.kv_cache(shape, self.model.kv_lora_rank, self.model.dtype, self.device)
+        return tuple(torch.zeros(shape, dtype=self.model.dtype, device=self.device) for _ in range(2))
 
     def release_kv_cache(self) -> None:
         """Free the KV tensors, and the decode graphs that read them: the engine is shut down."""

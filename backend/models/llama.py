@@ -177,10 +177,11 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self.lm_head_weight = None  # the output projection in the kernels' layout, set by pack_weights
         attn = self.model.layers[0].self_attn
-        # the KV cache: this rank's KV heads; with latent attention one latent row a token, read as key and value
+        # the KV cache: this rank's KV heads; with latent attention one latent row a token (kv_c | k_pe)
         self.latent_kv = isinstance(attn, MLAttention)
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.cache_dim if self.latent_kv else head_dim_of(config)
+        self.kv_lora_rank = attn.kv_lora_rank if self.latent_kv else None  # where a latent row's rope part starts
         self.stacked_params = STACKED_MLP if self.latent_kv else {**STACKED_QKV, **STACKED_MLP}
         self.cos_sin_cache = None  # built by init_rope once the model sits on its device and dtype
 
@@ -256,9 +257,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_weight = self.ops.pack_linear_weight(head.data)
 
     def init_expert_load(self) -> None:
-        """One counter, on the model's device, that every MoE layer adds its pairs to (again: from zero)."""
+        """One counter, on the model's device, that every MoE layer adds its pairs to (again: from zero). Zeroed in
+        place once it exists: captured decode graphs add to the tensor they were captured with."""
         blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-        if blocks:
+        if blocks and blocks[0].expert_load is not None:
+            blocks[0].expert_load.zero_()
+        elif blocks:
             counts = torch.zeros(blocks[0].num_load_ranks, dtype=torch.long, device=self.model.embed_tokens.weight.device)
             for block in blocks:
                 block.expert_load = counts

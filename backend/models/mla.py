@@ -6,14 +6,22 @@ tensor per layer, one "KV head" of kv_lora_rank + qk_rope_head_dim, which the pa
 key and value. At DeepSeek V3's shape that is 576 values a token and layer, against 2 * 128 * 192 for the same
 attention cached as MHA.
 
-Attention runs in the absorbed form (DeepSeek V2's paper, section 2.1.3; vLLM's MLA decode): W_UK, the key half
-of kv_b_proj, is folded into the query, so that q_nope . (W_UK kv_c) becomes (W_UK^T q_nope) . kv_c and the query
-meets the cached latent directly; the attention's output, a mix of latents, goes through W_UV, the value half,
-per head. So no step up-projects the cache: every query attends to [kv_c | k_pe] with [W_UK^T q_nope | q_pe].
+Attention takes the two forms vLLM's MLA backends take:
+- Decode, the absorbed form (DeepSeek V2's paper, section 2.1.3): W_UK, the key half of kv_b_proj, is folded into
+  the query, so that q_nope . (W_UK kv_c) becomes (W_UK^T q_nope) . kv_c and the query meets the cached latent
+  directly; the attention's output, a mix of latents, goes through W_UV, the value half, per head. A decode step
+  reads only the latent rows: the bandwidth the latent cache saves.
+- Prefill (and each chunk of a chunked prefill, over its cached prefix too), the up-projected form: the context's
+  latents go through kv_b_proj once to per-head keys (nope | the shared k_pe) and values, and the chunk attends as
+  MHA with qk_head_dim-wide keys and v_head_dim-wide values. With many queries per key that costs a third of the
+  absorbed form's flops (192 + 128 against 576 + 512 multiply-adds a query and key at V3's shape).
 
-DeepSeek lays a head's rope dimensions out in interleaved pairs (x0, x1), (x2, x3)...; the loader permutes those
-rows of the q and kv_a projections into halves (x0, x2, ... | x1, x3, ...) once, so the platform's rotary op
-(NeoX's halves) rotates them as DeepSeek does. q and k are permuted alike, so q . k is unchanged.
+DeepSeek lays a head's rope dimensions out in interleaved pairs (x0, x1), (x2, x3)...; the platform's MLA
+kernels say which layout their rotary takes (the portable ones NeoX's halves, x0, x2, ... | x1, x3, ...; the
+NPU's fused ops the pairs, which they de-interleave themselves), and the loader permutes the rope rows of the q and
+kv_a projections into it once. q and k are permuted alike, so q . k is unchanged.
+
+The cache and the attention are the platform's MLA kernels (npu_llm_kernels/mla.py, npu_mla.py).
 
 Tensor parallel (as vLLM shards MLA): the heads are split (q_b_proj / q_proj and kv_b_proj by rows, o_proj by
 columns); q_a_proj, kv_a_proj_with_mqa and their norms are replicated, and each rank caches the whole latent.
@@ -64,6 +72,9 @@ class MLAttention(nn.Module):
         self.num_kv_heads, self.cache_dim = 1, self.kv_lora_rank + self.rope_dim
         self.scale = mla_softmax_scale(config)
         self.interleaved = interleaved_rope(config)
+        if ops is not None:  # (None: check_model builds the module to validate the config)
+            ops.MLA.check(self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_head_dim)
+            self.kernels = ops.MLA(ops, self.num_heads, self.kv_lora_rank, self.rope_dim, self.scale)
         q_rows = self.num_heads * self.qk_head_dim
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias, ops)
@@ -73,12 +84,11 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(hidden, q_rows, False, ops)
         self.kv_a_proj_with_mqa = Linear(hidden, self.cache_dim, bias, ops)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps, ops)
-        # loaded as the checkpoint holds it, then split into the absorbed W_UK and W_UV (absorb_weights)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False)
+        # the latent's up-projection to per-head nope keys and values (prefill); decode uses it split (absorb_weights)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), False, ops)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim, hidden, bias, ops, tp)
         self.w_uk: torch.Tensor | None = None  # [heads, nope, kv_lora_rank]: q_nope -> the latent's space
         self.w_uv: torch.Tensor | None = None  # [heads, kv_lora_rank, v_head_dim]: an attended latent -> values
-        self.ops = ops
 
     @property
     def q_up(self) -> Linear:
@@ -86,14 +96,16 @@ class MLAttention(nn.Module):
         return self.q_b_proj if self.q_lora_rank else self.q_proj
 
     def absorb_weights(self) -> None:
-        """After loading, before packing: the rope rows de-interleaved, and kv_b_proj split into W_UK and W_UV."""
-        if self.interleaved:
-            halves = torch.cat((torch.arange(0, self.rope_dim, 2), torch.arange(1, self.rope_dim, 2)))
+        """After loading, before packing: the rope rows in the kernels' layout, and kv_b_proj's halves copied out as
+        the absorbed W_UK and W_UV."""
+        if self.interleaved != self.kernels.rope_interleaved:
+            pairs_to_halves = torch.cat((torch.arange(0, self.rope_dim, 2), torch.arange(1, self.rope_dim, 2)))
+            order = pairs_to_halves if self.interleaved else torch.argsort(pairs_to_halves)
             q_rows = torch.arange(self.num_heads * self.qk_head_dim).view(self.num_heads, self.qk_head_dim)
-            q_rows[:, self.nope_dim:] = q_rows[:, self.nope_dim:][:, halves]
+            q_rows[:, self.nope_dim:] = q_rows[:, self.nope_dim:][:, order]
             _permute_rows(self.q_up, q_rows.reshape(-1))
             kv_rows = torch.arange(self.cache_dim)
-            kv_rows[self.kv_lora_rank:] = kv_rows[self.kv_lora_rank:][halves]
+            kv_rows[self.kv_lora_rank:] = kv_rows[self.kv_lora_rank:][order]
             _permute_rows(self.kv_a_proj_with_mqa, kv_rows)
         w = self.kv_b_proj.weight.data.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         # On the CPU in fp32: torch's bf16 bmm there is ~30x slower than its fp32 one (no oneDNN bf16 path without
@@ -101,7 +113,6 @@ class MLAttention(nn.Module):
         dtype = torch.float32 if w.device.type == "cpu" else w.dtype
         self.w_uk = w[:, :self.nope_dim].to(dtype).contiguous()
         self.w_uv = w[:, self.nope_dim:].transpose(1, 2).to(dtype).contiguous()
-        del self.kv_b_proj
 
     def forward(self, x, positions, cos_sin_cache, kv_cache, metadata: AttentionMetadata):
         if self.q_lora_rank:
@@ -109,18 +120,44 @@ class MLAttention(nn.Module):
         else:
             q = self.q_proj(x)
         q_nope, q_pe = q.view(-1, self.num_heads, self.qk_head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        q_pe, k_pe = self.ops.rotary_embedding(positions, q_pe.contiguous(), k_pe.reshape(-1, 1, self.rope_dim),
-                                               cos_sin_cache)
+        q_pe, kv_c, k_pe = self.kernels.rope_and_cache(q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm,
+                                                       positions, cos_sin_cache, kv_cache, metadata.slot_mapping)
+        n = metadata.num_decodes
+        if n == len(metadata.query_lens):
+            return self.o_proj(self._absorbed(q_nope, q_pe, kv_cache, metadata))
+        o = torch.empty(q.shape[0], self.num_heads * self.v_head_dim, dtype=q.dtype, device=q.device)
+        if n:
+            o[:n] = self._absorbed(q_nope[:n], q_pe[:n], kv_cache, metadata.decodes())
+        o[n:] = self._up_projected(q_nope[n:], q_pe[n:], kv_c[n:], k_pe[n:], kv_cache, metadata)
+        return self.o_proj(o)
+
+    def _absorbed(self, q_nope, q_pe, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        """Decode tokens against the cached latents: [T, heads * v_head_dim]."""
         q_latent = torch.bmm(q_nope.transpose(0, 1).to(self.w_uk.dtype), self.w_uk).transpose(0, 1)  # [T, H, rank]
-        query = torch.cat((q_latent.to(q_pe.dtype), q_pe), dim=-1)
-        latent = torch.cat((kv_c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]: the cache row
-        cache, _ = kv_cache  # (key and value are one tensor)
-        self.ops.reshape_and_cache(latent, latent, cache, cache, metadata.slot_mapping)
-        o = self.ops.paged_attention(query, latent, latent, cache, cache, metadata, self.scale)
-        o = torch.bmm(o[..., :self.kv_lora_rank].transpose(0, 1).to(self.w_uv.dtype), self.w_uv)  # [H, T, v_head_dim]
-        return self.o_proj(o.transpose(0, 1).reshape(-1, self.num_heads * self.v_head_dim).to(query.dtype))
+        o = self.kernels.decode(q_latent.to(q_pe.dtype), q_pe, kv_cache, metadata)
+        o = torch.bmm(o.transpose(0, 1).to(self.w_uv.dtype), self.w_uv)  # [H, T, v_head_dim]
+        return o.transpose(0, 1).reshape(-1, self.num_heads * self.v_head_dim).to(q_pe.dtype)
+
+    def _up_projected(self, q_nope, q_pe, kv_c, k_pe, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        """The prefill chunks (after the decodes), each attending as MHA to its whole context's latents, up-projected
+        by kv_b_proj: [T, heads * v_head_dim]."""
+        latents, rope_keys, start = [], [], 0
+        for i in range(metadata.num_decodes, len(metadata.query_lens)):
+            q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
+            if ctx_len == q_len:  # nothing cached before this chunk: its own new rows
+                latents.append(kv_c[start:start + q_len])
+                rope_keys.append(k_pe[start:start + q_len])
+            else:
+                cached_c, cached_pe = self.kernels.context(kv_cache, metadata, i)
+                latents.append(cached_c)
+                rope_keys.append(cached_pe)
+            start += q_len
+        kv = self.kv_b_proj(torch.cat(latents)).view(-1, self.num_heads, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        query_lens = metadata.query_lens[metadata.num_decodes:]
+        kv_lens = metadata.context_lens[metadata.num_decodes:]
+        o = self.kernels.prefill(q_nope, q_pe, k_nope, torch.cat(rope_keys), v, query_lens, kv_lens)
+        return o.reshape(-1, self.num_heads * self.v_head_dim)
 
 
 def _permute_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
