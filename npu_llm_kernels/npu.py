@@ -7,7 +7,8 @@ ATB ops return nothing and write their outputs in place; outputs must be contigu
 (seq_len, context_lens) go as CPU int32 ("otherwise error: tensor.hostData is null").
 Only fp16 and bf16 run on these ops; block size must be 128.
 The MoE ops (select_experts, fused_experts): torch_npu's public MoE ops, called with the arguments
-vllm-ascend v0.23.0 passes (ops/fused_moe/, device/device_op.py), schemas from op-plugin master.
+vllm-ascend v0.23.0 passes (ops/fused_moe/, device/device_op.py), schemas from op-plugin master; the MLA ops
+likewise, in npu_mla.py.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import torch_npu
 
 from npu_llm_kernels.metadata import AttentionMetadata, GraphCapture
+from npu_llm_kernels.npu_mla import NpuMLA as MLA  # noqa: F401  (DeepSeek's latent attention: its own ops)
 from npu_llm_kernels.timing import scope
 from npu_llm_kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
 from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts

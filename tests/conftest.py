@@ -67,7 +67,9 @@ def fake_npu(monkeypatch):
     import npu_llm_kernels
 
     npu_llm_kernels.__dict__.pop("npu", None)
-    for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + ["npu_llm_kernels.npu"]:
+    npu_llm_kernels.__dict__.pop("npu_mla", None)
+    platform_modules = ["npu_llm_kernels.npu", "npu_llm_kernels.npu_mla"]
+    for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + platform_modules:
         sys.modules.pop(name, None)
     if hasattr(torch, "npu"):
         del torch.npu

@@ -3,7 +3,8 @@
 Tiny random models of V2-Lite's shape (no q low rank, greedy softmax routing, two shared experts) and V3's (q low
 rank, grouped sigmoid routing with a correction bias, YaRN) equal transformers in fp32, with the rope dimensions
 interleaved as DeepSeek lays them out or not; the engine serves them through chunked prefill, a prefix-cache hit
-and preemption; and the KV cache holds one latent row a token, not keys and values per head."""
+and preemption; and the KV cache holds one latent row a token, not keys and values per head. On the NPU:
+tests/test_deepseek_npu.py."""
 from __future__ import annotations
 
 import json
@@ -56,11 +57,6 @@ def test_the_kv_cache_is_one_latent_row_a_token_shared_by_key_and_value(tmp_path
     heads = TINY["num_attention_heads"]
     per_head = heads * (TINY_MLA["qk_nope_head_dim"] + TINY_MLA["qk_rope_head_dim"] + TINY_MLA["v_head_dim"])
     assert ModelRunner.bytes_per_block(model, 1) == 3 * 48 * 4 < 3 * per_head * 4
-
-
-def test_it_is_refused_on_the_npu_until_its_ops_are_there(tmp_path, fake_npu):
-    with pytest.raises(ModelLoadError, match="latent attention does not run on the NPU"):
-        load_model(make_tiny_model("deepseek_v2", tmp_path / "v2"), ops_for("npu"), device="npu", dtype="bfloat16")
 
 
 def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from backend.distributed import SINGLE, TensorParallel
-from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of, is_mla
+from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.registry import resolve_model
@@ -100,9 +100,6 @@ def load_model(
     device = torch.device(device)
     model_dir = resolve_model(model)
     config = load_config(model_dir)
-    if is_mla(config) and device.type == "npu":
-        raise ModelLoadError(f"{model_dir.name}: DeepSeek's latent attention does not run on the NPU yet (vllm-ascend's "
-                             "MLA ops are not wired up); serve it on the CPU or a CUDA GPU")
     torch_dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):

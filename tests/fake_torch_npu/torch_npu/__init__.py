@@ -560,3 +560,13 @@ _hccl.register()
 
 def _autoload() -> None:
     """The `torch.backends` entry point torch_npu registers: `import torch` has imported this package by now."""
+
+
+# DeepSeek's latent attention (after the helpers above, which _mla uses)
+from ._mla import (  # noqa: E402, F401
+    _npu_fused_infer_attention_score_v2_get_max_workspace,
+    npu_fused_infer_attention_score,
+    npu_fused_infer_attention_score_v2,
+    npu_interleave_rope,
+    npu_kv_rmsnorm_rope_cache,
+)
