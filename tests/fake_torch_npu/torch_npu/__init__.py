@@ -171,15 +171,20 @@ def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_hea
     _require(context_lens.shape == (query.shape[0],), f"{name}: one context length per query token")
     # Under graph capture the op cannot allocate its own workspace (vllm-ascend passes one it got from
     # _npu_paged_attention_get_workspace), and a workspace given must hold what the op needs for these lengths.
-    _require(workspace is not None or not _graphs.is_capturing(), f"{name}: a graph capture needs a workspace")
-    if workspace is not None:
-        _on_device(name, workspace=workspace)
-        needed = _workspace_bytes(num_heads, context_lens)
-        _require(workspace.numel() * workspace.element_size() >= needed,
-                 f"{name}: workspace of {workspace.numel() * workspace.element_size()} bytes, the op needs {needed}")
+    _check_workspace(name, workspace, lambda: _workspace_bytes(num_heads, context_lens))
     # context_lens is host data: the op reads it when issued (a graph keeps the values it was captured with)
     _graphs.launch(_decode_attention, ("out",), query=query, key_cache=key_cache, value_cache=value_cache,
                    block_table=block_table, context_lens=context_lens.tolist(), scale=scale_value, out=out)
+
+
+def _check_workspace(name, workspace, needed) -> None:
+    """A capture needs a workspace given (the op cannot allocate one inside a graph), and one given must hold the
+    needed() bytes."""
+    _require(workspace is not None or not _graphs.is_capturing(), f"{name}: a graph capture needs a workspace")
+    if workspace is not None:
+        _on_device(name, workspace=workspace)
+        size, need = workspace.numel() * workspace.element_size(), needed()
+        _require(size >= need, f"{name}: workspace of {size} bytes, the op needs {need}")
 
 
 def _decode_attention(query, key_cache, value_cache, block_table, context_lens, scale, out):

@@ -14,7 +14,7 @@ from npu_llm_kernels import torch_ref
 from npu_llm_kernels.metadata import cdiv
 
 from . import _graphs
-from . import _count, _half, _not_in_fake, _on_device, _require, calls
+from . import _check_workspace, _count, _half, _not_in_fake, _on_device, _require, calls
 
 LATENT, ROPE, HEAD = 512, 64, 128
 
@@ -240,12 +240,7 @@ def _fia_v2_out(query, key, value, *, workspace=None, out, query_rope=None, key_
              and attention_out.dtype == query.dtype, f"{name}: attention_out must be a contiguous [N, B, 1, "
              f"{LATENT}] (NBSD) in the query's dtype")
     _on_device(name, attention_out=attention_out, softmax_lse=softmax_lse)
-    _require(workspace is not None or not _graphs.is_capturing(), f"{name}: a graph capture needs a workspace")
-    if workspace is not None:
-        _on_device(name, workspace=workspace)
-        needed = _latent_workspace_bytes(batch, heads)
-        _require(workspace.numel() * workspace.element_size() >= needed,
-                 f"{name}: workspace of {workspace.numel() * workspace.element_size()} bytes, the op needs {needed}")
+    _check_workspace(name, workspace, lambda: _latent_workspace_bytes(batch, heads))
     # the lengths are host data: the op reads them when issued (a graph keeps them until a task-group update)
     _graphs.launch(_latent_decode, ("out",), query=query, query_rope=query_rope, key=key, key_rope=key_rope,
                    block_table=block_table, lengths=lengths, scale=softmax_scale, out=attention_out)
