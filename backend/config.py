@@ -14,6 +14,7 @@ from backend.models.registry import DEFAULT_MODEL
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # auto: npu > cuda > cpu (backend/platform.py)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
+MTP_METHODS = ("deepseek_mtp", "mtp")  # vLLM's names for drafting with the checkpoint's MTP layer
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,24 @@ class EngineConfig:
     # MoE models: each rank holds num_experts / tensor_parallel_size whole experts, not a share of every expert
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"  # how the other ranks start: local processes, or "ray" actors
+    # vLLM's: {"method": "deepseek_mtp" (or "mtp"), "num_speculative_tokens": 1} drafts a token a step with the
+    # checkpoint's multi-token-prediction layer (docs/models.md); None: no speculative decoding
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         self._check()
+
+    def _check_speculative(self, fail) -> None:
+        spec = self.speculative_config
+        if not isinstance(spec, dict) or set(spec) - {"method", "num_speculative_tokens"}:
+            fail("speculative_config", "must be a dict of method and num_speculative_tokens")
+        if spec.get("method") not in MTP_METHODS:
+            fail("speculative_config", f"method must be one of {', '.join(MTP_METHODS)} (the checkpoint's "
+                                       "multi-token-prediction layer drafts); other drafters are not supported")
+        if spec.get("num_speculative_tokens", 1) != 1:
+            fail("speculative_config", "num_speculative_tokens must be 1 (one MTP layer drafts one token)")
+        if self.tensor_parallel_size > 1:
+            fail("speculative_config", "speculative decoding runs on one rank for now (tensor_parallel_size=1)")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
@@ -80,6 +96,8 @@ class EngineConfig:
             fail("tensor_parallel_size", "must be at least 1")
         if self.distributed_executor_backend not in ("mp", "ray"):
             fail("distributed_executor_backend", "must be 'mp' (local worker processes) or 'ray' (Ray actors)")
+        if self.speculative_config is not None:
+            self._check_speculative(fail)
 
     def finalize(self, platform: str, model_max_len: int) -> None:
         """Fill the defaults that depend on the device and the model, and check what they constrain."""
@@ -115,7 +133,7 @@ class EngineConfig:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
                 continue
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            kind = {"int": int, "float": float, "dict": json.loads}.get(str(f.type).split(" ")[0], str)
             choices = {"device": None, "dtype": DTYPE_CHOICES}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices)
         parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",

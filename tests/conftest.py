@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -192,6 +193,39 @@ def default_model_dir():
     return resolve_model(DEFAULT_MODEL)
 
 
+def add_mtp_layer(model_dir, layer_scale: float = 0.01):
+    """Give a tiny DeepSeek V3 / GLM-4.5 checkpoint the multi-token-prediction layer its config names
+    (model.layers.{num_hidden_layers}: transformers neither makes nor reads it), built to draft like the target:
+    its decoder layer is the last one's with the outputs of attention and experts zeroed, eh_proj passes the next
+    token's embedding through, and its head is the model's: it drafts the token the embeddings alone predict. The
+    target's layers have their outputs scaled by layer_scale (its experts, made 8x larger to matter, would drown the
+    embeddings otherwise), so that at TINY's vocabulary its next token follows that prediction sometimes: drafts
+    are both accepted and rejected, and attention and experts still decide most tokens."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    for name in [k for k in weights if k.endswith(("o_proj.weight", "down_proj.weight"))]:
+        weights[name] = weights[name] * layer_scale
+    last = f"model.layers.{n - 1}."
+    for name in [k for k in weights if k.startswith(last)]:
+        tensor = weights[name].clone()
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+        weights[f"model.layers.{n}." + name[len(last):]] = tensor
+    mtp = f"model.layers.{n}."
+    weights[mtp + "enorm.weight"] = torch.ones(hidden)
+    weights[mtp + "hnorm.weight"] = torch.ones(hidden)
+    weights[mtp + "eh_proj.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+    weights[mtp + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+    weights[mtp + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    weights[mtp + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, path, metadata={"format": "pt"})
+    return model_dir
+
+
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 
@@ -287,29 +321,46 @@ def reference_llm():
     return LLM(**TRITON_ENGINE_ARGS)
 
 
-@pytest.fixture(scope="session")
-def triton_server(tmp_path_factory, default_model_dir):
-    """A real tritonserver serving model_repository (a run copy with TRITON_ENGINE_ARGS and a profile_dir),
-    once per session."""
+@contextlib.contextmanager
+def served_by_triton(engine_args: dict, log_path):
+    """A real tritonserver serving model_repository (a run copy with engine_args) for the block; stopped after."""
     import shutil
 
     from backend.serve import start_server, stop_process_group, wait_ready
     from backend.triton.launcher import DEFAULT_REPOSITORY
 
-    log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     ports = free_port(), free_port(), free_port()
-    engine_args = {**TRITON_ENGINE_ARGS, "profile_dir": str(tmp_path_factory.mktemp("profiles"))}
     with open(log_path, "w") as log:
         process, work_dir = start_server(DEFAULT_REPOSITORY, engine_args, *ports, log_file=log, new_session=True)
     server = TritonUnderTest(process, work_dir, log_path, *ports)
     try:
-        wait_ready(ports[0], process, timeout=300)
-    except Exception:
-        stop_process_group(process, grace_s=0)
-        raise RuntimeError(f"tritonserver did not start:\n{server.log()[-5000:]}")
-    yield server
-    stop_process_group(process, grace_s=20)
-    shutil.rmtree(work_dir, ignore_errors=True)
+        try:
+            wait_ready(ports[0], process, timeout=300)
+        except Exception:
+            raise RuntimeError(f"tritonserver did not start:\n{server.log()[-5000:]}")
+        yield server
+    finally:
+        stop_process_group(process, grace_s=20)
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def generate_through_triton(server: TritonUnderTest, body: dict) -> dict:
+    """One request to the served model's HTTP generate endpoint; its JSON answer."""
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode(),
+                                     method="POST")
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, default_model_dir):
+    """A real tritonserver serving model_repository (a run copy with TRITON_ENGINE_ARGS and a profile_dir),
+    once per session."""
+    log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    engine_args = {**TRITON_ENGINE_ARGS, "profile_dir": str(tmp_path_factory.mktemp("profiles"))}
+    with served_by_triton(engine_args, log_path) as server:
+        yield server
 
 
 GATEWAY_API_KEY = "test-key"

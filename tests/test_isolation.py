@@ -59,8 +59,8 @@ def test_parameters_the_model_cannot_take_are_refused_by_add_request(llm):
 def test_a_request_whose_sampling_fails_fails_alone(llm, alone_seeded, monkeypatch):
     real_sample = engine_module.sample
 
-    def sample(logits, requests):
-        sampled = real_sample(logits, requests)  # the batch's seeded generators have drawn: a late failure
+    def sample(logits, requests, drafts=None):
+        sampled = real_sample(logits, requests, drafts)  # the batch's seeded generators have drawn: a late failure
         if any(r.params.seed == 666 for r in requests):
             raise RuntimeError("injected sampler fault")
         return sampled

@@ -25,15 +25,17 @@ def test_a_vllm_backend_model_json_loads():
 
 def test_what_cannot_be_honoured_fails_the_load_by_name():
     with pytest.raises(ValueError) as error:
-        parse_model_json({"model": "m", "pipeline_parallel_size": 2, "kv_cache_dtype": "fp8", "speculative_config": {}})
+        parse_model_json({"model": "m", "pipeline_parallel_size": 2, "kv_cache_dtype": "fp8", "enable_lora": True})
     message = str(error.value)
     assert "pipeline_parallel_size=2" in message and "kv_cache_dtype='fp8'" in message
-    assert "speculative_config (unknown)" in message
+    assert "enable_lora (unknown)" in message
     assert "accepted keys:" in message and "pipeline_parallel_size" in message.split("accepted keys:")[1]
     with pytest.raises(ValueError, match="disable_log_stats='false'"):  # a string is not a switch
         parse_model_json({"model": "m", "disable_log_stats": "false"})
     with pytest.raises(ValueError, match="max_num_seqs"):  # our own checks still apply
         parse_model_json({"model": "m", "max_num_seqs": 0})
+    with pytest.raises(ValueError, match="speculative_config.*method must be one of deepseek_mtp, mtp"):
+        parse_model_json({"model": "m", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
 
 
 def test_data_parallel_engines_and_their_instances():

@@ -199,41 +199,25 @@ def test_triton_counts_the_expert_pairs_each_rank_served(tmp_path, default_model
     from transformers import AutoConfig
 
     from backend.models.architectures import is_moe_layer
-    from backend.serve import start_server, stop_process_group, wait_ready
-    from backend.triton.launcher import DEFAULT_REPOSITORY
-    from tests.conftest import TritonMetrics, free_port
+    from tests.conftest import generate_through_triton, served_by_triton
 
     model_dir = make_tiny_model("qwen3_moe", tmp_path / "qwen3_moe", vocab_size=49152)
     config = AutoConfig.from_pretrained(model_dir)
     sparse_layers = sum(is_moe_layer(config, i) for i in range(config.num_hidden_layers))
     engine_args = {"model": str(model_dir), "tokenizer": str(default_model_dir), "dtype": "float32",
                    "tensor_parallel_size": 2, "enable_expert_parallel": True, "num_kv_blocks": 64}
-    ports = free_port(), free_port(), free_port()
-    log_path = tmp_path / "tritonserver.log"
-    with open(log_path, "w") as log:
-        process, work_dir = start_server(DEFAULT_REPOSITORY, engine_args, *ports, log_file=log, new_session=True)
-    metrics = TritonMetrics(f"http://localhost:{ports[2]}/metrics")
-
-    def pairs_by_rank() -> dict[str, float]:
-        text = urllib.request.urlopen(metrics.metrics_url, timeout=5).read().decode()
-        return {m[1]: float(m[2]) for m in re.finditer(r'^npu_llm:moe_expert_pairs_total\{.*rank="(\d+)".*\} (\S+)$',
-                                                        text, re.M)}
-
-    try:
-        wait_ready(ports[0], process, timeout=300)
-        body = {"text_input": "Experts of a mixture, one request", "exclude_input_in_output": True,
-                "parameters": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
-        request = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v2/models/llm/generate",
-                                         data=json.dumps(body).encode(), method="POST")
-        urllib.request.urlopen(request, timeout=120).read()
-        metrics.settled()
-        prompt, generated = (metrics.metric("vllm:prompt_tokens_total"), metrics.metric("vllm:generation_tokens_total"))
-        served = pairs_by_rank()
-    except Exception:
-        raise AssertionError(log_path.read_text()[-4000:])
-    finally:
-        stop_process_group(process, grace_s=15)
-        shutil.rmtree(work_dir, ignore_errors=True)
+    with served_by_triton(engine_args, tmp_path / "tritonserver.log") as server:
+        try:
+            generate_through_triton(server, {"text_input": "Experts of a mixture, one request",
+                                             "exclude_input_in_output": True,
+                                             "parameters": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}})
+            server.settled()
+            prompt, generated = server.metric("vllm:prompt_tokens_total"), server.metric("vllm:generation_tokens_total")
+            text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+            served = {m[1]: float(m[2]) for m in re.finditer(
+                r'^npu_llm:moe_expert_pairs_total\{.*rank="(\d+)".*\} (\S+)$', text, re.M)}
+        except Exception:
+            raise AssertionError(server.log()[-4000:])
     assert generated == 6 and prompt > 0
     assert set(served) == {"0", "1"} and min(served.values()) > 0, served
     assert sum(served.values()) == (prompt + generated - 1) * config.num_experts_per_tok * sparse_layers, served

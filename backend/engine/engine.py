@@ -28,9 +28,10 @@ from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.outputs import RequestOutput
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
-from backend.engine.runner import ModelRunner, PromptScoring, SequenceChunk
+from backend.engine.runner import ModelRunner, PromptScoring, SequenceChunk, StepOutput
 from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
+from backend.engine.spec_decode import MTPDrafter, SpecDecodeStats
 from backend.engine.structured_outputs import StructuredOutputs
 from backend.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from backend.models.llama import check_model
@@ -67,6 +68,7 @@ class EngineStats:
     kv_cache_waste: float  # allocated but unused slots / allocated, averaged over steps
     num_kv_blocks: int
     expert_load: list[int] = field(default_factory=list)  # MoE: (token, expert) pairs served per rank
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts made and accepted
 
 
 class LLMEngine:
@@ -100,7 +102,7 @@ class LLMEngine:
         in_use_before = memory.allocated(self.platform)
         self.model, self.model_config, self.model_dir = load_model(
             model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp,
-            config.enable_expert_parallel,
+            config.enable_expert_parallel, mtp=config.speculative_config is not None,
         )
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
@@ -117,6 +119,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
+        # speculative decoding: the checkpoint's MTP layer drafts a token a step (spec_decode.py)
+        self.drafter = MTPDrafter(self.runner, self.kv) if config.speculative_config is not None else None
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._compiling: list[Request] = []  # sequences whose grammar is being compiled
@@ -313,12 +317,18 @@ class LLMEngine:
             with scope("schedule"):
                 scheduled = self.scheduler.schedule()
             if scheduled:
-                logits = self._execute(scheduled)
-                sampled = self._sample(scheduled, logits) if logits is not None else {}
+                starts = [s.request.num_computed_tokens for s in scheduled]
+                step = self._execute(scheduled)
+                sampled = self._sample_next(scheduled, step.logits) if step is not None else {}
                 self._advance_grammars(scheduled, sampled)
                 advanced = self.scheduler.update_from_output(scheduled, {i: s.token_id for i, s in sampled.items()})
-                self._account(scheduled, len(advanced))
-                outputs += self._process_outputs(advanced, sampled)
+                touched = self._detokenize(advanced, sampled)
+                num_generated = len(advanced)
+                if self.drafter is not None and step is not None:
+                    num_generated += self._take_verified_drafts(scheduled, step, sampled, touched)
+                    self.drafter.draft(scheduled, starts, step)
+                self._account(scheduled, num_generated)
+                outputs += self._outputs_of(touched)
         if not scheduled and self._compiling:  # nothing else to run: wait for a grammar, don't spin
             concurrent.futures.wait([r.grammar.compiled for r in self._compiling if r.grammar], GRAMMAR_WAIT_S,
                                     concurrent.futures.FIRST_COMPLETED)
@@ -328,15 +338,17 @@ class LLMEngine:
                                     time.perf_counter() - start)
         return outputs
 
-    def _execute(self, scheduled: list[ScheduledRequest]):
+    def _execute(self, scheduled: list[ScheduledRequest]) -> StepOutput | None:
         """The forward pass: logits for the rows that want them; None (their requests failed) if it raises."""
         chunks = [
             SequenceChunk(
-                s.request.token_ids[s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens],
+                s.request.token_ids[s.request.num_computed_tokens:
+                                    s.request.num_computed_tokens + s.num_new_tokens - s.num_drafts] + list(s.drafts),
                 s.request.num_computed_tokens,
                 self.kv.block_ids(s.request),
                 s.wants_logits,
                 self._prompt_scoring(s),
+                s.num_drafts,
             )
             for s in scheduled
         ]
@@ -356,7 +368,7 @@ class LLMEngine:
         for s, scored in zip(scheduled, step.prompt_logprobs):
             if scored is not None:
                 self.outputs.states[s.request.request_id].add_prompt_logprobs(scored)
-        return step.logits
+        return step
 
     def _prompt_scoring(self, s: ScheduledRequest) -> PromptScoring | None:
         """The prompt tokens this chunk scores: those its positions predict that have no logprob yet (so that a
@@ -373,17 +385,23 @@ class LLMEngine:
         return PromptScoring(first - request.num_computed_tokens, request.token_ids[first + 1 : last + 2],
                              request.params.prompt_logprobs)
 
-    def _sample(self, scheduled: list[ScheduledRequest], logits) -> dict[str, SampledToken]:
-        """Sequence request id -> its sampled token. If the batch fails, each row is sampled alone, and only the
-        rows that fail again fail their requests."""
-        requests = [s.request for s in scheduled if s.wants_logits]
+    def _sample_next(self, scheduled: list[ScheduledRequest], logits) -> dict[str, SampledToken]:
+        """The token after each sequence's last known one (which keeps its draft, if it has one, with the draft's
+        probability: spec_decode.py)."""
+        wanting = [s for s in scheduled if s.wants_logits]
+        return self._sample([s.request for s in wanting], logits, [s.drafts[0] if s.drafts else None for s in wanting])
+
+    def _sample(self, requests: list[Request], logits, drafts: list[int | None] | None = None) -> dict[str, SampledToken]:
+        """Sequence request id -> its sampled token, a row of logits each. If the batch fails, each row is sampled
+        alone, and only the rows that fail again fail their requests."""
         if not requests:
             return {}
+        drafts = drafts or [None] * len(requests)
         with scope("sample"):
             # a failed batch may have drawn from seeded generators: rewind them, so seeded samples stay the same
             seeded = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
             try:
-                return {r.request_id: token for r, token in zip(requests, sample(logits, requests))}
+                return {r.request_id: token for r, token in zip(requests, sample(logits, requests, drafts))}
             except Exception:
                 log.exception("sampling a batch failed; sampling its rows one by one")
             for generator, state in seeded:
@@ -391,10 +409,23 @@ class LLMEngine:
             sampled = {}
             for row, request in enumerate(requests):
                 try:
-                    [sampled[request.request_id]] = sample(logits[row : row + 1], [request])
+                    [sampled[request.request_id]] = sample(logits[row : row + 1], [request], drafts[row : row + 1])
                 except Exception as e:
                     self._fail_sequence(request, e)
             return sampled
+
+    def _take_verified_drafts(self, scheduled, step: StepOutput, sampled: dict[str, SampledToken], touched) -> int:
+        """Each request whose sampled token verified its draft gets the token sampled after the draft too; returns
+        how many did."""
+        verified = self.drafter.verified(scheduled, sampled)
+        if not verified:
+            return 0
+        requests = [request for request, _ in verified]
+        bonus = self._sample(requests, step.draft_logits[torch.tensor([row for _, row in verified])])
+        advanced = [r for r in requests if r.request_id in bonus]
+        self.scheduler.accept_drafts(advanced, {i: t.token_id for i, t in bonus.items()})
+        touched.update(self._detokenize(advanced, bonus))
+        return len(advanced)
 
     def _fail_bad_grammars(self) -> None:
         """Requests whose spec did not compile fail with the compiler's message (a client error)."""
@@ -416,8 +447,8 @@ class LLMEngine:
                 del sampled[request.request_id]
                 self._fail_sequence(request, e)
 
-    def _process_outputs(self, advanced: list[Request], sampled: dict[str, SampledToken]) -> list[RequestOutput]:
-        """Detokenize and check stop strings for each sequence that got a token; one output per user request."""
+    def _detokenize(self, advanced: list[Request], sampled: dict[str, SampledToken]) -> dict:
+        """Detokenize and check stop strings for each sequence that got a token; their user requests, by id."""
         touched = {}
         for request in advanced:
             if request.request_id not in self.outputs.states:
@@ -430,6 +461,10 @@ class LLMEngine:
                 touched[parent.request_id] = parent
             except Exception as e:
                 self._fail_sequence(request, e)
+        return touched
+
+    def _outputs_of(self, touched: dict) -> list[RequestOutput]:
+        """One output per user request that changed this step."""
         outputs = []
         for parent in touched.values():
             if parent.request_id not in self.outputs.parents:
@@ -468,6 +503,7 @@ class LLMEngine:
             kv_cache_waste=self._waste_sum / self._num_steps if self._num_steps else 0.0,
             num_kv_blocks=self.kv.num_blocks,
             expert_load=self.model.expert_load(),
+            spec_decode=None if self.drafter is None else self.drafter.stats.copy(),
         )
 
 

@@ -42,6 +42,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.grammar = None  # a SequenceGrammar when params.structured_outputs asks for one (set by the engine)
+        self.draft_token_ids: list[int] = []  # speculative decoding: tokens drafted after the last one, to verify
 
     @property
     def num_prompt_tokens(self) -> int:

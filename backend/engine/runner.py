@@ -43,6 +43,24 @@ class SequenceChunk:
     block_ids: list[int]  # the sequence's block table; covers num_computed + len(token_ids) tokens
     wants_logits: bool = True  # False for a prefill chunk that does not reach the end of the prompt
     prompt_scoring: PromptScoring | None = None  # the prompt logprobs it computes, if asked for
+    num_drafts: int = 0  # draft tokens ending token_ids, to verify: the logits after each are wanted too
+
+    @property
+    def num_verified(self) -> int:
+        """Its tokens that are known, not drafts."""
+        return len(self.token_ids) - self.num_drafts
+
+
+@dataclass
+class DraftChunk:
+    """One sequence's share of the multi-token-prediction layer's pass (backend/models/mtp.py): the positions from
+    num_computed on that the step computed and kept, with the token after each and the target's hidden rows there."""
+
+    next_ids: list[int]
+    num_computed: int
+    block_ids: list[int]
+    hidden_rows: list[int]  # rows of the step's hidden states, one per position
+    wants_draft: bool  # it decodes next: draft its next token
 
 
 @dataclass
@@ -50,6 +68,10 @@ class StepOutput:
     logits: torch.Tensor  # fp32 [n, vocab]: the next token's, for the chunks that want logits, in their order
     # per chunk, in their order: its prompt targets' logprobs (sampler.ranked_logprobs' entries), or None
     prompt_logprobs: list[list[dict[int, Logprob]] | None]
+    # fp32 [drafts, vocab], where chunks carry drafts: the logits after each draft, chunk after chunk in their order
+    draft_logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # the step's final hidden states, for a drafting model's MTP pass
+    first_rows: list[int] | None = None  # with hidden: per chunk, in their order, the row of its first token
 
 
 class ModelRunner:
@@ -138,7 +160,9 @@ class ModelRunner:
         # Only the last token of each sequence that wants logits reaches the lm_head.
         last = np.cumsum(query_lens) - 1
         where = {i: last[rank] for rank, i in enumerate(order)}
-        rows = [where[i] for i, c in enumerate(chunks) if c.wants_logits]
+        rows = [where[i] - c.num_drafts for i, c in enumerate(chunks) if c.wants_logits]
+        draft_rows = [int(row) for i, c in enumerate(chunks) if c.wants_logits
+                      for row in range(where[i] - c.num_drafts + 1, where[i] + 1)]
         if self.decode_graphs is not None and self.decode_graphs.covers(query_lens, context_lens):
             with scope("forward"):
                 hidden = self.decode_graphs.run([c.token_ids[0] for c in ordered], context_lens,
@@ -151,10 +175,34 @@ class ModelRunner:
         starts = {i: last[rank] + 1 - query_lens[rank] for rank, i in enumerate(order)}
         scored = [self._score_prompt(hidden, starts[i], c.prompt_scoring) if c.prompt_scoring else None
                   for i, c in enumerate(chunks)]
-        if not rows:
-            return StepOutput(torch.empty(0, self.model.config.vocab_size, device=self.device), scored)
-        with scope("forward"):
-            return StepOutput(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float(), scored)
+        drafting = self.model.mtp is not None
+        step = StepOutput(torch.empty(0, self.model.config.vocab_size, device=self.device), scored,
+                          hidden=hidden if drafting else None,
+                          first_rows=[int(starts[i]) for i in range(len(chunks))] if drafting else None)
+        if rows:
+            with scope("forward"):
+                logits = self.model.compute_logits(hidden[torch.tensor(rows + draft_rows, device=self.device)]).float()
+            step.logits, step.draft_logits = logits[:len(rows)], logits[len(rows):]
+        return step
+
+    @torch.inference_mode()
+    def draft(self, chunks: list[DraftChunk], hidden: torch.Tensor) -> list[int]:
+        """The MTP layer's pass over the chunks (its K/V land in its own cache layer); the drafted next token of each
+        chunk that wants one (its argmax, as vLLM's MTP proposer drafts), in their order."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].next_ids) != 1)  # (decodes first)
+        ordered = [SequenceChunk(chunks[i].next_ids, chunks[i].num_computed, chunks[i].block_ids) for i in order]
+        query_lens = [len(c.token_ids) for c in ordered]
+        context_lens = [c.num_computed + len(c.token_ids) for c in ordered]
+        with scope("draft"):
+            next_ids, positions, kv_caches, metadata = self._prepare(ordered, query_lens, context_lens)
+            target = hidden[torch.tensor([row for i in order for row in chunks[i].hidden_rows], device=self.device)]
+            drafted = self.model.draft_hidden(next_ids, positions, target, kv_caches, metadata)
+            last = np.cumsum(query_lens) - 1
+            where = {i: int(last[rank]) for rank, i in enumerate(order)}
+            rows = [where[i] for i, c in enumerate(chunks) if c.wants_draft]
+            if not rows:
+                return []
+            return self.model.mtp.compute_logits(drafted[torch.tensor(rows, device=self.device)]).argmax(-1).tolist()
 
     def _score_prompt(self, hidden: torch.Tensor, start: int, scoring: PromptScoring) -> list[dict[int, Logprob]]:
         """The logprobs of the prompt tokens one chunk predicts, PROMPT_LOGPROBS_ROWS rows of logits at a time."""

@@ -26,8 +26,12 @@ class SampledToken:
     logprob: float = 0.0  # the sampled token's (0.0 when logprobs were not asked for)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-    """logits [B, V] fp32, one row per request (left as they are). One SampledToken per request."""
+def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | None] | None = None) -> list[SampledToken]:
+    """logits [B, V] fp32, one row per request (left as they are). One SampledToken per request.
+
+    drafts (speculative decoding): a row's draft token, which its sample keeps with probability p(draft), the
+    rejection sampling of a one-hot draft; where it is rejected the sample comes from p without it. The sample's
+    distribution is p either way, and the draft is verified where the sample equals it (greedy: the argmax)."""
     device = logits.device
     params = [r.params for r in requests]
     wants_logprobs = any(p.logprobs is not None for p in params)
@@ -47,8 +51,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     tokens = logits.max(dim=-1).indices
     if not bool(greedy.all()):
         probs = _filtered_probs(logits, params)
+        drafted = [row for row, d in enumerate(drafts or ()) if d is not None and not params[row].greedy]
+        kept = _keep_drafts(probs, requests, drafts, drafted) if drafted else None
         race = probs / _exponentials(probs, requests)
         tokens = torch.where(greedy, tokens, race.argmax(dim=-1))
+        if kept is not None:
+            rows, draft_ids = torch.tensor(drafted, device=device), torch.tensor([drafts[r] for r in drafted], device=device)
+            tokens[rows] = torch.where(kept, draft_ids, tokens[rows])
 
     sampled = [SampledToken(token) for token in tokens.tolist()]
     if logprobs_all is not None:
@@ -132,6 +141,20 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def _keep_drafts(probs: torch.Tensor, requests: list[Request], drafts: list[int | None], rows: list[int]) -> torch.Tensor:
+    """Whether each drafted row keeps its draft (a uniform below p(draft)); the rows' draft probabilities are zeroed
+    in place, so that the race after samples the rejected ones from the rest of p."""
+    uniforms = torch.rand(len(rows), device=probs.device)
+    for i, row in enumerate(rows):
+        if requests[row].generator is not None:
+            uniforms[i] = torch.rand(1, generator=requests[row].generator).item()
+    index = torch.tensor(rows, device=probs.device)
+    draft_ids = torch.tensor([drafts[row] for row in rows], device=probs.device)
+    kept = uniforms < probs[index, draft_ids]
+    probs[index, draft_ids] = 0.0
+    return kept
 
 
 def _exponentials(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -19,12 +19,17 @@ from backend.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    drafts: tuple[int, ...] = ()  # draft tokens to verify after the last known one (speculative decoding)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.drafts)
 
     @property
     def wants_logits(self) -> bool:
         """The chunk reaches the last known token, so the step samples the next one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == len(self.request.token_ids)
+        return self.request.num_computed_tokens + self.num_new_tokens - self.num_drafts == len(self.request.token_ids)
 
 
 class Scheduler:
@@ -57,6 +62,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            # a decode verifies its drafts in the same step, where the budget has room for them
+            drafts = tuple(request.draft_token_ids) if num_new == 1 and budget > len(request.draft_token_ids) else ()
+            num_new += len(drafts)
             while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -64,7 +72,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, num_new))
+                scheduled.append(ScheduledRequest(request, num_new, drafts))
                 budget -= num_new
                 i += 1
 
@@ -111,6 +119,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []  # (drafted from positions it no longer holds)
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -124,20 +133,31 @@ class Scheduler:
             request = item.request
             if request.finished:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens - item.num_drafts  # a draft counts once verified
             self.kv.cache_full_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.append_output_token(token)
-            grammar_ended = request.grammar is not None and request.grammar.terminated  # min_tokens yielded to it
-            if (request.can_stop or grammar_ended) and token in request.stop_token_ids:
-                self.finish(request, "stop", None if token in request.eos_token_ids and not request.params.ignore_eos
-                            else token)
-            elif request.num_output_tokens >= request.max_tokens:
-                self.finish(request, "length")
+            self._append(request, token)
             advanced.append(request)
         return advanced
+
+    def accept_drafts(self, verified: list[Request], tokens: dict[str, int]) -> None:
+        """Each verified request's draft (already its last token) is computed; append the token sampled after it."""
+        for request in verified:
+            request.num_computed_tokens += 1
+            self.kv.cache_full_blocks(request)
+            self._append(request, tokens[request.request_id])
+
+    def _append(self, request: Request, token: int) -> None:
+        """A sampled token joins the request; a stop token or its length finishes it."""
+        request.append_output_token(token)
+        grammar_ended = request.grammar is not None and request.grammar.terminated  # min_tokens yielded to it
+        if (request.can_stop or grammar_ended) and token in request.stop_token_ids:
+            self.finish(request, "stop", None if token in request.eos_token_ids and not request.params.ignore_eos
+                        else token)
+        elif request.num_output_tokens >= request.max_tokens:
+            self.finish(request, "length")
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request (stop, length or abort) and give its blocks back."""

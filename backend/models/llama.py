@@ -146,13 +146,15 @@ class LlamaModel(nn.Module):
     def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.num_hidden_layers = config.num_hidden_layers
         self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, expert_parallel)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata):
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        # (a multi-token-prediction layer after them, with its own cache, runs apart: backend/models/mtp.py)
+        for layer, kv_cache in zip(self.layers, kv_caches[:self.num_hidden_layers]):
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, metadata)
         x, _ = self.norm(x, residual)
         return x
@@ -244,6 +246,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a flat batch; its K/V land in kv_caches."""
         return self.model(input_ids, positions, self.cos_sin_cache, kv_caches, metadata)
+
+    @property
+    def mtp(self):
+        """The multi-token-prediction layer after the decoder layers, where attach_mtp added one (mtp.py)."""
+        layers, n = self.model.layers, self.config.num_hidden_layers
+        return layers[n] if len(layers) > n else None
+
+    def draft_hidden(self, next_ids, positions, target_hidden, kv_caches: list[KVCache], metadata: AttentionMetadata):
+        """The MTP layer's hidden states at `positions`, given the tokens after them and the target's hidden states
+        there; its K/V land in the last of kv_caches."""
+        return self.mtp.predict(self.model.embed_tokens(next_ids), target_hidden, positions, self.cos_sin_cache,
+                                kv_caches[-1], metadata)
 
     def pack_weights(self) -> None:
         """After loading: every matmul weight into the kernels' layout (the embedding keeps its own for lookups)."""

@@ -13,6 +13,7 @@ from backend.distributed import SINGLE, TensorParallel
 from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
+from backend.models.mtp import attach_mtp
 from backend.models.registry import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,9 +95,11 @@ def load_model(
     max_model_len: int | None = None,
     tp: TensorParallel = SINGLE,
     expert_parallel: bool = False,
+    mtp: bool = False,
 ):
     """(model, config, model_dir): weights loaded on `device` in `dtype`, rope table sized for max_model_len;
-    under tensor parallelism, only this rank's shards are read (and its experts, with expert_parallel)."""
+    under tensor parallelism, only this rank's shards are read (and its experts, with expert_parallel); with mtp,
+    the checkpoint's multi-token-prediction layer too (backend/models/mtp.py)."""
     device = torch.device(device)
     model_dir = resolve_model(model)
     config = load_config(model_dir)
@@ -104,6 +107,8 @@ def load_model(
     try:
         with torch.device("meta"):
             module = LlamaForCausalLM(config, ops, tp, expert_parallel)
+            if mtp:
+                attach_mtp(module)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
     # Cast while still on meta, so the device never holds a float32 copy of the weights (freed fp32
@@ -128,7 +133,7 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
             with safe_open(str(path), framework="pt") as f:
                 for stored in f.keys():
                     key = stored.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
-                    if _beyond_the_model(module.config, key):
+                    if _beyond_the_model(module, key):
                         continue
                     expert = EXPERT_TENSOR.match(key)
                     if expert:
@@ -145,11 +150,14 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
-def _beyond_the_model(config, key: str) -> bool:
-    """A layer the checkpoint carries and the model does not run (GLM-4.5's multi-token-prediction layer)."""
+def _beyond_the_model(module: LlamaForCausalLM, key: str) -> bool:
+    """A layer the checkpoint carries and the model does not run (a multi-token-prediction layer, unless it drafts),
+    or the prediction layer's copy of the embedding (the model's own serves it)."""
     if not key.startswith("model.layers."):
         return False
-    index = int(key.split(".")[2])
+    index, config = int(key.split(".")[2]), module.config
+    if index == config.num_hidden_layers and module.mtp is not None:
+        return key.endswith(".embed_tokens.weight")
     return config.num_hidden_layers <= index < config.num_hidden_layers + extra_layers_of(config)
 
 

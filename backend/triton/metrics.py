@@ -79,6 +79,8 @@ class VllmMetrics:
             self.families.append(fam)
             return fam
 
+        self._new_family = lambda name, description, kind: new_family(name, description, getattr(Family, kind))
+
         def family(name, description, kind, **metric_args):
             return new_family(name, description, kind).Metric(labels=labels, **metric_args)
 
@@ -134,6 +136,15 @@ class VllmMetrics:
                                         "Cumulative (token, expert) pairs served per rank (MoE models).", Family.COUNTER)
         self._expert_pairs_by_rank: dict[int, object] = {}
         self._expert_pairs_seen: list[int] = []
+        # speculative decoding (vLLM's spec-decode counters), made once the engine reports drafting
+        self._spec_families = {
+            "num_drafts": "Number of spec decoding drafts.",
+            "num_draft_tokens": "Number of draft tokens.",
+            "num_accepted_tokens": "Number of accepted tokens.",
+            "num_accepted_tokens_per_pos": "Accepted tokens per draft's position.",
+        }
+        self._spec: dict[str, object] = {}
+        self._spec_seen: dict[str, int] = {}
         self._labels = labels
         self._stats_fn = stats_fn
         self._take_iteration_tokens = take_iteration_tokens
@@ -169,6 +180,24 @@ class VllmMetrics:
             self.preemptions.increment(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
         self._count_expert_pairs(stats.expert_load)
+        if stats.spec_decode is not None:
+            self._count_spec_decode(stats.spec_decode)
+
+    def _count_spec_decode(self, spec) -> None:
+        if not self._spec:
+            for name, description in self._spec_families.items():
+                family = self._new_family(f"vllm:spec_decode_{name}_total", description, "COUNTER")
+                if name == "num_accepted_tokens_per_pos":
+                    for pos in range(len(spec.num_accepted_tokens_per_pos)):
+                        self._spec[f"{name}:{pos}"] = family.Metric(labels={**self._labels, "position": str(pos)})
+                else:
+                    self._spec[name] = family.Metric(labels=self._labels)
+        counts = {name: getattr(spec, name) for name in self._spec_families if name != "num_accepted_tokens_per_pos"}
+        counts.update({f"num_accepted_tokens_per_pos:{pos}": n for pos, n in enumerate(spec.num_accepted_tokens_per_pos)})
+        for key, now in counts.items():
+            if now > self._spec_seen.get(key, 0):
+                self._spec[key].increment(now - self._spec_seen.get(key, 0))
+                self._spec_seen[key] = now
 
     def _count_expert_pairs(self, load: list[int]) -> None:
         seen = self._expert_pairs_seen + [0] * (len(load) - len(self._expert_pairs_seen))

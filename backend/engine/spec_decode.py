@@ -1,0 +1,88 @@
+"""Speculative decoding with the checkpoint's multi-token-prediction layer (vLLM's "deepseek_mtp", one token).
+
+A step verifies each decode's draft: the scheduler runs it after the last known token, so the step computes the
+logits after both. The token sampled after the last known one keeps the draft with probability p(draft)
+(sampler.sample: rejection sampling of a one-hot draft, whose result is distributed as p); where it equals the
+draft, the draft's position holds, and a second token is sampled from the logits after it. Greedy requests keep a
+draft exactly when it is their argmax, so their tokens are those of decoding without drafts.
+
+Then the MTP layer (backend/models/mtp.py) runs over every position the step computed and kept, prompt chunks
+included, so its own KV cache follows the target's, and drafts the next token of each request that decodes next.
+A draft never changes what is sampled, only how many tokens a step yields: a stale or poor draft costs speed alone.
+Requests with a grammar are not drafted for (the draft would have to pass their matcher first).
+
+The counts are vLLM's spec-decode metrics (vllm:spec_decode_*).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from backend.engine.kv_cache import KVCacheManager
+from backend.engine.runner import DraftChunk, ModelRunner, StepOutput
+from backend.engine.sampler import SampledToken
+from backend.engine.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verification steps of a request, each with its drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=lambda: [0])  # accepted at draft position k
+
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.num_accepted_tokens_per_pos))
+
+
+class MTPDrafter:
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager):
+        self.runner, self.kv = runner, kv
+        self.stats = SpecDecodeStats()
+
+    def verified(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken]) -> list[tuple]:
+        """(request, its row in the step's draft logits) for each request whose sampled token is its draft and that
+        still runs; counted in the metrics."""
+        verified, row = [], 0
+        for s in scheduled:
+            if not (s.num_drafts and s.wants_logits):
+                continue
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += s.num_drafts
+            token = sampled.get(s.request.request_id)
+            if token is not None and token.token_id == s.drafts[0]:
+                self.stats.num_accepted_tokens += 1
+                self.stats.num_accepted_tokens_per_pos[0] += 1
+                if not s.request.finished:
+                    verified.append((s.request, row))
+            row += s.num_drafts
+        return verified
+
+    def draft(self, scheduled: list[ScheduledRequest], starts: list[int], step: StepOutput) -> None:
+        """The MTP pass over what each scheduled request computed and kept this step (from starts[i] on); the next
+        token drafted for each that decodes next."""
+        chunks, drafting = [], []
+        for s, start, first_row in zip(scheduled, starts, step.first_rows):
+            request = s.request
+            request.draft_token_ids = []
+            kept = request.num_computed_tokens - start
+            if request.finished or kept <= 0:
+                continue
+            wants = (request.grammar is None and request.num_computed_tokens == len(request.token_ids) - 1
+                     and request.num_output_tokens + 1 < request.max_tokens)  # room for the draft and one more
+            chunks.append(DraftChunk(request.token_ids[start + 1:start + kept + 1], start, self.kv.block_ids(request),
+                                     list(range(first_row, first_row + kept)), wants))
+            if wants:
+                drafting.append(request)
+        if not chunks:
+            return
+        try:
+            drafts = self.runner.draft(chunks, step.hidden)
+        except Exception:  # a draft is an optimisation: without one the requests decode a token a step
+            log.exception("the MTP draft pass failed; this step drafts nothing")
+            return
+        for request, token in zip(drafting, drafts):
+            request.draft_token_ids = [token]
