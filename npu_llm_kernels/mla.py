@@ -19,6 +19,7 @@ from npu_llm_kernels.timing import scope
 class PortableMLA:
     # q_pe and k_pe rows come in NeoX halves (the loader de-interleaves DeepSeek's pairs), as the rotary op takes them
     rope_interleaved = False
+    absorbs_chunks = True  # attend_latents takes chunks of several queries in the absorbed form
 
     def __init__(self, ops: ModuleType, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         self.ops, self.num_heads, self.scale = ops, num_heads, scale
@@ -73,4 +74,17 @@ class PortableMLA:
                 out.append(torch_ref.prefill_attention(query[q_start:q_start + q_len], key[k_start:k_start + kv_len],
                                              v[k_start:k_start + kv_len], self.scale))
                 q_start, k_start = q_start + q_len, k_start + kv_len
+        return torch.cat(out)
+
+    def attend_latents(self, q_latent, q_pe, contexts, query_lens: list[int]) -> torch.Tensor:
+        """Chunks in the absorbed form: queries [Tq, H, rank] and [Tq, H, rope], chunk after chunk, each against
+        its context's (kv_c [ctx, rank], k_pe [ctx, 1, rope]), its queries the context's last tokens. Returns the
+        attended latents [Tq, H, rank]."""
+        out, start = [], 0
+        with scope("attention.prefill"):
+            for (kv_c, k_pe), q_len in zip(contexts, query_lens):
+                query = torch.cat((q_latent[start:start + q_len], q_pe[start:start + q_len]), dim=-1)
+                latent = kv_c.unsqueeze(1)
+                out.append(torch_ref.prefill_attention(query, torch.cat((latent, k_pe), dim=-1), latent, self.scale))
+                start += q_len
         return torch.cat(out)

@@ -33,11 +33,11 @@ MASK_SIZE = 2048  # VA's splitfuse mask: [2048, 2048] int8, 1 above the diagonal
 
 class NpuMLA:
     rope_interleaved = True  # the fused rotary ops de-interleave DeepSeek's pairs themselves
+    absorbs_chunks = False  # chunks of several queries are up-projected (the decode op here takes one a sequence)
 
     def __init__(self, ops: ModuleType, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         self.num_heads, self.scale = num_heads, scale
         self.query_heads = 1 << (num_heads - 1).bit_length()  # decode pads the heads to a power of two (VA)
-        self._mask: torch.Tensor | None = None
 
     @staticmethod
     def check(num_heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int, v_head_dim: int) -> None:
@@ -119,16 +119,22 @@ class NpuMLA:
         #   lengths, sparse_mode 3 with the [2048, 2048] mask; lse not asked for (nothing to merge here).
         with scope("attention.prefill"):
             out, _ = torch_npu.npu_fused_infer_attention_score(
-                **bf16, atten_mask=self._causal_mask(q_nope.device), actual_seq_lengths=list(accumulate(query_lens)),
+                **bf16, atten_mask=_causal_mask(q_nope.device), actual_seq_lengths=list(accumulate(query_lens)),
                 actual_seq_lengths_kv=list(accumulate(kv_lens)), num_heads=self.num_heads,
                 num_key_value_heads=self.num_heads, input_layout="TND", sparse_mode=3, scale=self.scale,
                 antiquant_mode=0, antiquant_scale=None, block_table=None, block_size=0, softmax_lse_flag=False)
         return out.to(q_nope.dtype)
 
-    def _causal_mask(self, device) -> torch.Tensor:
-        if self._mask is None:
-            self._mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
-        return self._mask
+
+
+_masks: dict[torch.device, torch.Tensor] = {}
+
+
+def _causal_mask(device) -> torch.Tensor:
+    """VA's one splitfuse mask, shared by every layer."""
+    if device not in _masks:
+        _masks[device] = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
+    return _masks[device]
 
 
 def _capture_decode(query, key, args: dict, capture: GraphCapture) -> torch.Tensor:

@@ -117,7 +117,8 @@ class LLMEngine:
             self.runner.capture_decode_graphs(self.platform, config.max_num_seqs, self._graph_len())
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            drafting=config.speculative_config is not None,
         )
         # speculative decoding: the checkpoint's MTP layer drafts a token a step (spec_decode.py)
         self.drafter = MTPDrafter(self.runner, self.kv) if config.speculative_config is not None else None
@@ -422,7 +423,7 @@ class LLMEngine:
             return 0
         requests = [request for request, _ in verified]
         bonus = self._sample(requests, step.draft_logits[torch.tensor([row for _, row in verified])])
-        advanced = [r for r in requests if r.request_id in bonus]
+        advanced = [r for r in requests if r.request_id in bonus and not r.finished]  # (a sibling's failure ends it)
         self.scheduler.accept_drafts(advanced, {i: t.token_id for i, t in bonus.items()})
         touched.update(self._detokenize(advanced, bonus))
         return len(advanced)

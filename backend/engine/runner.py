@@ -45,11 +45,6 @@ class SequenceChunk:
     prompt_scoring: PromptScoring | None = None  # the prompt logprobs it computes, if asked for
     num_drafts: int = 0  # draft tokens ending token_ids, to verify: the logits after each are wanted too
 
-    @property
-    def num_verified(self) -> int:
-        """Its tokens that are known, not drafts."""
-        return len(self.token_ids) - self.num_drafts
-
 
 @dataclass
 class DraftChunk:

@@ -1,7 +1,8 @@
 """Token sampling for a batch, vectorised: grammars, penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Each seeded request draws its randomness from its own generator, so its samples do not
-depend on what else is in the batch. Sampling uses the exponential-race form of a
+depend on what else is in the batch (with speculative decoding they may: whether a draft is verified in a step
+depends on the step's budget and blocks). Sampling uses the exponential-race form of a
 categorical draw (argmax of p / Exp(1)), as vLLM does, which needs one uniform per token.
 Logprobs are raw: the model's log-softmax before penalties, temperature and filtering
 (vLLM v1's default logprobs_mode, "raw_logprobs"), over the tokens a request's grammar allows.
@@ -152,7 +153,8 @@ def _keep_drafts(probs: torch.Tensor, requests: list[Request], drafts: list[int 
             uniforms[i] = torch.rand(1, generator=requests[row].generator).item()
     index = torch.tensor(rows, device=probs.device)
     draft_ids = torch.tensor([drafts[row] for row in rows], device=probs.device)
-    kept = uniforms < probs[index, draft_ids]
+    p = probs[index] / probs[index].sum(dim=-1, keepdim=True)  # (min-p filtering leaves the rows unnormalised)
+    kept = uniforms < p[torch.arange(len(rows), device=probs.device), draft_ids]
     probs[index, draft_ids] = 0.0
     return kept
 

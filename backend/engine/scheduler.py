@@ -33,8 +33,12 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool,
+                 drafting: bool = False):
         self.kv = kv
+        # With an MTP drafter the draft layer's KV at a block's last position was computed from the token after the
+        # block, which a prefix-cache hit does not match: the last hit block is computed again (as vLLM does).
+        self.drafting = drafting
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -66,6 +70,9 @@ class Scheduler:
             drafts = tuple(request.draft_token_ids) if num_new == 1 and budget > len(request.draft_token_ids) else ()
             num_new += len(drafts)
             while not self.kv.allocate(request, num_new):
+                if drafts:  # a draft's slot is never worth a preemption
+                    num_new, drafts = num_new - len(drafts), ()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -85,6 +92,8 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())
                 continue
             hits = self.kv.find_cached_prefix(request)
+            if self.drafting:
+                hits = hits[:-1]
             num_cached = len(hits) * self.kv.block_size
             if self._next_block_being_computed(request, len(hits), computing):
                 break  # wait one step and take it from the prefix cache (n > 1 siblings, repeated prompts)

@@ -8,8 +8,10 @@ draft exactly when it is their argmax, so their tokens are those of decoding wit
 
 Then the MTP layer (backend/models/mtp.py) runs over every position the step computed and kept, prompt chunks
 included, so its own KV cache follows the target's, and drafts the next token of each request that decodes next.
-A draft never changes what is sampled, only how many tokens a step yields: a stale or poor draft costs speed alone.
-Requests with a grammar are not drafted for (the draft would have to pass their matcher first).
+A draft never changes the distribution of what is sampled, only how many tokens a step yields: a stale or poor
+draft costs speed alone. (Seeded samples do differ from a run without drafts: keeping a draft takes a draw from the
+request's generator. Greedy tokens are the same up to rounding: a verify chunk's attention is computed as a short
+prefill chunk.) Requests with a grammar are not drafted for (the draft would have to pass their matcher first).
 
 The counts are vLLM's spec-decode metrics (vllm:spec_decode_*).
 """
@@ -48,7 +50,7 @@ class MTPDrafter:
         still runs; counted in the metrics."""
         verified, row = [], 0
         for s in scheduled:
-            if not (s.num_drafts and s.wants_logits):
+            if not s.num_drafts:  # (a drafted chunk is a decode: it always wants logits)
                 continue
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += s.num_drafts

@@ -11,10 +11,12 @@ Attention takes the two forms vLLM's MLA backends take:
   the query, so that q_nope . (W_UK kv_c) becomes (W_UK^T q_nope) . kv_c and the query meets the cached latent
   directly; the attention's output, a mix of latents, goes through W_UV, the value half, per head. A decode step
   reads only the latent rows: the bandwidth the latent cache saves.
-- Prefill (and each chunk of a chunked prefill, over its cached prefix too), the up-projected form: the context's
-  latents go through kv_b_proj once to per-head keys (nope | the shared k_pe) and values, and the chunk attends as
-  MHA with qk_head_dim-wide keys and v_head_dim-wide values. With many queries per key that costs a third of the
-  absorbed form's flops (192 + 128 against 576 + 512 multiply-adds a query and key at V3's shape).
+- Prefill (and each chunk of a chunked prefill, over its cached prefix too), up-projected: the context's latents
+  go through kv_b_proj once to per-head keys (nope | the shared k_pe) and values, and the chunk attends as MHA with
+  qk_head_dim-wide keys and v_head_dim-wide values. With many queries per key that costs a third of the absorbed
+  form's flops (192 + 128 against 576 + 512 multiply-adds a query and key at V3's shape). A chunk of few queries
+  over a long context (a verified draft's two tokens, a short chunk after a long prefix) is cheaper absorbed, as a
+  decode: each chunk takes the form that costs it less (_absorbs), where the platform's kernels take both.
 
 DeepSeek lays a head's rope dimensions out in interleaved pairs (x0, x1), (x2, x3)...; the platform's MLA
 kernels say which layout their rotary takes (the portable ones NeoX's halves, x0, x2, ... | x1, x3, ...; the
@@ -84,8 +86,8 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(hidden, q_rows, False, ops)
         self.kv_a_proj_with_mqa = Linear(hidden, self.cache_dim, bias, ops)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps, ops)
-        # the latent's up-projection to per-head nope keys and values (prefill); decode uses it split (absorb_weights)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), False, ops)
+        # loaded as the checkpoint holds it, then split into W_UK and W_UV (absorb_weights), which serve both forms
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim, hidden, bias, ops, tp)
         self.w_uk: torch.Tensor | None = None  # [heads, nope, kv_lora_rank]: q_nope -> the latent's space
         self.w_uv: torch.Tensor | None = None  # [heads, kv_lora_rank, v_head_dim]: an attended latent -> values
@@ -96,8 +98,8 @@ class MLAttention(nn.Module):
         return self.q_b_proj if self.q_lora_rank else self.q_proj
 
     def absorb_weights(self) -> None:
-        """After loading, before packing: the rope rows in the kernels' layout, and kv_b_proj's halves copied out as
-        the absorbed W_UK and W_UV."""
+        """After loading, before packing: the rope rows in the kernels' layout, and kv_b_proj split into W_UK and
+        W_UV."""
         if self.interleaved != self.kernels.rope_interleaved:
             pairs_to_halves = torch.cat((torch.arange(0, self.rope_dim, 2), torch.arange(1, self.rope_dim, 2)))
             order = pairs_to_halves if self.interleaved else torch.argsort(pairs_to_halves)
@@ -113,6 +115,7 @@ class MLAttention(nn.Module):
         dtype = torch.float32 if w.device.type == "cpu" else w.dtype
         self.w_uk = w[:, :self.nope_dim].to(dtype).contiguous()
         self.w_uv = w[:, self.nope_dim:].transpose(1, 2).to(dtype).contiguous()
+        del self.kv_b_proj
 
     def forward(self, x, positions, cos_sin_cache, kv_cache, metadata: AttentionMetadata):
         if self.q_lora_rank:
@@ -124,40 +127,70 @@ class MLAttention(nn.Module):
                                                        positions, cos_sin_cache, kv_cache, metadata.slot_mapping)
         n = metadata.num_decodes
         if n == len(metadata.query_lens):
-            return self.o_proj(self._absorbed(q_nope, q_pe, kv_cache, metadata))
+            return self.o_proj(self._values(self.kernels.decode(self._absorb(q_nope), q_pe, kv_cache, metadata)))
         o = torch.empty(q.shape[0], self.num_heads * self.v_head_dim, dtype=q.dtype, device=q.device)
         if n:
-            o[:n] = self._absorbed(q_nope[:n], q_pe[:n], kv_cache, metadata.decodes())
-        o[n:] = self._up_projected(q_nope[n:], q_pe[n:], kv_c[n:], k_pe[n:], kv_cache, metadata)
+            o[:n] = self._values(self.kernels.decode(self._absorb(q_nope[:n]), q_pe[:n], kv_cache, metadata.decodes()))
+        self._prefill(o, q_nope, q_pe, kv_c, k_pe, kv_cache, metadata)
         return self.o_proj(o)
 
-    def _absorbed(self, q_nope, q_pe, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        """Decode tokens against the cached latents: [T, heads * v_head_dim]."""
-        q_latent = torch.bmm(q_nope.transpose(0, 1).to(self.w_uk.dtype), self.w_uk).transpose(0, 1)  # [T, H, rank]
-        o = self.kernels.decode(q_latent.to(q_pe.dtype), q_pe, kv_cache, metadata)
-        o = torch.bmm(o.transpose(0, 1).to(self.w_uv.dtype), self.w_uv)  # [H, T, v_head_dim]
-        return o.transpose(0, 1).reshape(-1, self.num_heads * self.v_head_dim).to(q_pe.dtype)
+    def _absorb(self, q_nope) -> torch.Tensor:
+        """Queries [T, H, nope] into the latent's space: W_UK^T q_nope, [T, H, kv_lora_rank]."""
+        return torch.bmm(q_nope.transpose(0, 1).to(self.w_uk.dtype), self.w_uk).transpose(0, 1).to(q_nope.dtype)
 
-    def _up_projected(self, q_nope, q_pe, kv_c, k_pe, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        """The prefill chunks (after the decodes), each attending as MHA to its whole context's latents, up-projected
-        by kv_b_proj: [T, heads * v_head_dim]."""
-        latents, rope_keys, start = [], [], 0
+    def _values(self, latents) -> torch.Tensor:
+        """Attended latents [T, H, kv_lora_rank] through W_UV: [T, H * v_head_dim]."""
+        o = torch.bmm(latents.transpose(0, 1).to(self.w_uv.dtype), self.w_uv)  # [H, T, v_head_dim]
+        return o.transpose(0, 1).reshape(-1, self.num_heads * self.v_head_dim).to(latents.dtype)
+
+    def _up_project(self, kv_c) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [ctx, kv_lora_rank] to per-head keys' nope parts [ctx, H, nope] and values [ctx, H, v_head_dim]
+        (kv_b_proj's product, through its two halves)."""
+        c = kv_c.to(self.w_uk.dtype)
+        k_nope = torch.matmul(c, self.w_uk.transpose(1, 2)).transpose(0, 1)
+        v = torch.matmul(c, self.w_uv).transpose(0, 1)
+        return k_nope.to(kv_c.dtype), v.to(kv_c.dtype)
+
+    def _absorbs(self, q_len: int, ctx_len: int) -> bool:
+        """Whether a prefill chunk costs fewer multiply-adds absorbed (attending over rank-wide latent rows: per
+        query and key 2 rank - nope - v more a head) than up-projected (which first maps every context latent
+        through kv_b_proj: rank (nope + v) a head and key). A verified draft's chunk or a short chunk after a long
+        prefix is absorbed; a prompt's own first chunk never is."""
+        if not self.kernels.absorbs_chunks:
+            return False
+        rank, nope, v = self.kv_lora_rank, self.nope_dim, self.v_head_dim
+        return q_len * ctx_len * (2 * rank - nope - v) < (ctx_len - q_len) * rank * (nope + v)
+
+    def _prefill(self, o, q_nope, q_pe, kv_c, k_pe, kv_cache, metadata: AttentionMetadata) -> None:
+        """The prefill chunks (after the decodes), into their rows of o [T, heads * v_head_dim]: each in the form
+        that costs it less (_absorbs)."""
+        absorbed, projected, start = [], [], metadata.num_decodes  # (sequence, first token row, query length)
         for i in range(metadata.num_decodes, len(metadata.query_lens)):
-            q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
-            if ctx_len == q_len:  # nothing cached before this chunk: its own new rows
-                latents.append(kv_c[start:start + q_len])
-                rope_keys.append(k_pe[start:start + q_len])
-            else:
-                cached_c, cached_pe = self.kernels.context(kv_cache, metadata, i)
-                latents.append(cached_c)
-                rope_keys.append(cached_pe)
+            q_len = metadata.query_lens[i]
+            (absorbed if self._absorbs(q_len, metadata.context_lens[i]) else projected).append((i, start, q_len))
             start += q_len
-        kv = self.kv_b_proj(torch.cat(latents)).view(-1, self.num_heads, self.nope_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
-        query_lens = metadata.query_lens[metadata.num_decodes:]
-        kv_lens = metadata.context_lens[metadata.num_decodes:]
-        o = self.kernels.prefill(q_nope, q_pe, k_nope, torch.cat(rope_keys), v, query_lens, kv_lens)
-        return o.reshape(-1, self.num_heads * self.v_head_dim)
+        if absorbed:
+            rows = torch.cat([torch.arange(first, first + q_len) for _, first, q_len in absorbed]).to(o.device)
+            contexts = [self.kernels.context(kv_cache, metadata, i) for i, _, _ in absorbed]
+            latents = self.kernels.attend_latents(self._absorb(q_nope[rows]), q_pe[rows], contexts,
+                                                  [q_len for *_, q_len in absorbed])
+            o[rows] = self._values(latents)
+        if projected:
+            latents, rope_keys = [], []
+            for i, first, q_len in projected:
+                if metadata.context_lens[i] == q_len:  # nothing cached before this chunk: its own new rows
+                    latents.append(kv_c[first:first + q_len])
+                    rope_keys.append(k_pe[first:first + q_len])
+                else:
+                    cached_c, cached_pe = self.kernels.context(kv_cache, metadata, i)
+                    latents.append(cached_c)
+                    rope_keys.append(cached_pe)
+            rows = torch.cat([torch.arange(first, first + q_len) for _, first, q_len in projected]).to(o.device)
+            k_nope, v = self._up_project(torch.cat(latents))
+            out = self.kernels.prefill(q_nope[rows], q_pe[rows], k_nope, torch.cat(rope_keys), v,
+                                       [q_len for *_, q_len in projected],
+                                       [metadata.context_lens[i] for i, _, _ in projected])
+            o[rows] = out.reshape(-1, self.num_heads * self.v_head_dim)
 
 
 def _permute_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
