@@ -91,6 +91,15 @@ def _cmd_verify(args) -> int:
     return run_verify(args)
 
 
+def _cmd_quantize(args) -> int:
+    from backend.quantize import quantize_checkpoint
+
+    out = quantize_checkpoint(args.model, args.out, args.scheme, args.calibration, args.calibration_tokens,
+                              args.tokenizer)
+    print(f"{args.scheme} checkpoint written to {out}")
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from backend.bench import run_throughput_bench
 
@@ -183,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(verify)
     verify.add_argument("--steps", type=int, default=32, help="decode steps compared per prompt")
     verify.set_defaults(func=_cmd_verify)
+
+    quantize = commands.add_parser("quantize", help="write a W8A8 (compressed-tensors) checkpoint of a model")
+    quantize.add_argument("--model", default=DEFAULT_MODEL, help="an unquantized model folder, GGUF file or name")
+    quantize.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    quantize.add_argument("--scheme", choices=("w8a8_dynamic", "w8a8"), default="w8a8_dynamic",
+                          help="activations quantized per token as the model runs, or with calibrated static scales")
+    quantize.add_argument("--format", choices=("compressed-tensors",), default="compressed-tensors",
+                          help="the checkpoint format (msModelSlim's `ascend` is not written yet)")
+    quantize.add_argument("--calibration", metavar="FILE.jsonl", default=None,
+                          help='calibration text for static scales, one {"text": ...} a line (default: shipped text)')
+    quantize.add_argument("--calibration-tokens", type=int, default=512, help="tokens of it to run")
+    quantize.add_argument("--tokenizer", default=None, help="the calibration text's tokenizer (default: the model's)")
+    quantize.set_defaults(func=_cmd_quantize)
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)

@@ -14,6 +14,7 @@ from backend.models.registry import DEFAULT_MODEL
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # auto: npu > cuda > cpu (backend/platform.py)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
+QUANTIZATION_CHOICES = ("compressed-tensors", "ascend")  # vLLM's names; which are served: backend/models/quantization.py
 MTP_METHODS = ("deepseek_mtp", "mtp")  # vLLM's names for drafting with the checkpoint's MTP layer
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class EngineConfig:
     # vLLM's: {"method": "deepseek_mtp" (or "mtp"), "num_speculative_tokens": 1} drafts a token a step with the
     # checkpoint's multi-token-prediction layer (docs/models.md); None: no speculative decoding
     speculative_config: dict | None = None
+    # vLLM's: None reads the checkpoint's own quantization_config (compressed-tensors W8A8 is served,
+    # docs/quantization.md); "compressed-tensors" insists on it; "ascend" (msModelSlim) is refused for now
+    quantization: str | None = None
 
     def __post_init__(self):
         self._check()
@@ -98,6 +102,8 @@ class EngineConfig:
             fail("distributed_executor_backend", "must be 'mp' (local worker processes) or 'ray' (Ray actors)")
         if self.speculative_config is not None:
             self._check_speculative(fail)
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            fail("quantization", f"must be one of {', '.join(QUANTIZATION_CHOICES)}, or unset (the checkpoint's own)")
 
     def finalize(self, platform: str, model_max_len: int) -> None:
         """Fill the defaults that depend on the device and the model, and check what they constrain."""

@@ -85,6 +85,11 @@ class CpuFeatures:
         return self.at_least("avx512_bf16") and self.onednn_bf16
 
     @property
+    def vnni(self) -> bool:
+        """Whether int8 dot products run in hardware (AVX512-VNNI): oneDNN's int8 GEMM is exact and fast only there."""
+        return self.at_least("avx512") and torch.cpu._is_vnni_supported()
+
+    @property
     def build(self) -> str:
         """The extension build this level runs (a key of BUILDS)."""
         return "avx512_bf16" if self.level == "amx" else self.level

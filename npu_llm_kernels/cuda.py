@@ -9,6 +9,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     add_rms_norm,
     decode_graph_widths,
     fused_experts,
+    int8_linear,
     linear,
     pack_expert_weights,
     pack_linear_weight,

@@ -22,6 +22,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# compressed-tensors' symmetric int8 range is [-128, 127], and its scale maps absmax to half of it: 255 / 2.
+INT8_HALF_RANGE = 127.5
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): x [T, K] as int8 values (held in fp32) and the scale they are multiplied by to give x again.
+
+    With no scale, each row (token) gets its own, from its absolute maximum (dynamic quantization); otherwise
+    the given one (static). The arithmetic is compressed-tensors' (x / scale, rounded half to even, clamped),
+    which transformers runs for these checkpoints, so that greedy outputs agree with it token for token."""
+    x = x.float()
+    if scale is None:
+        scale = x.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
+        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)  # an all-zero row stays zero
+    return torch.round(x / scale).clamp_(-128, 127), scale.float()
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x w^T (+ bias) for int8 weights [N, K] with per-channel scales [N, 1], x quantized to int8 first: per token
+    (input_scale None) or with the static input_scale [1]. The int8 products are summed exactly in fp32 (up to 2^24),
+    then scaled: what an int8 GEMM with int32 accumulators gives. Here the weights are converted per call (the
+    portable path: CUDA, and fp32 models on the CPU)."""
+    q, scale = quantize_int8(x.reshape(-1, x.shape[-1]), input_scale)
+    y = F.linear(q, weight.float()) * scale * weight_scale.view(1, -1).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

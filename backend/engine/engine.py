@@ -102,7 +102,7 @@ class LLMEngine:
         in_use_before = memory.allocated(self.platform)
         self.model, self.model_config, self.model_dir = load_model(
             model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp,
-            config.enable_expert_parallel, mtp=config.speculative_config is not None,
+            config.enable_expert_parallel, mtp=config.speculative_config is not None, quantization=config.quantization,
         )
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)

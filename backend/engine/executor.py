@@ -194,7 +194,8 @@ def run_worker(config: EngineConfig, device: str, rank: int, size: int, init_met
     platform = resolve_platform(device)
     tp, control = init_tensor_parallel(platform.name, rank, size, init_method)
     model, _, _ = load_model(resolve_model(config.model), ops_for(platform.name), platform.device, config.dtype,
-                             config.max_model_len, tp, config.enable_expert_parallel)
+                             config.max_model_len, tp, config.enable_expert_parallel,
+                             quantization=config.quantization)
     runner = ModelRunner(model, 0, config.block_size, platform.device)
     wait_until_all_loaded()
     with torch.inference_mode():

@@ -15,18 +15,40 @@ from npu_llm_kernels.timing import scope
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose matmul and weight layout come from the platform's kernels (see pack)."""
+    """nn.Linear whose matmul and weight layout come from the platform's kernels (see pack); or, once quantized
+    (backend/models/quantization.py), an int8 matmul of int8 weights with per-channel scales."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType):
         super().__init__(in_features, out_features, bias=bias)
         self.ops = ops
+        self.scheme = None  # an Int8Scheme once quantized
+        self.input_scale = None  # static activation scale: one per checkpoint layer fused here, then their max
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         with scope("matmul"):
-            return self.ops.linear(x, self.weight, self.bias)
+            if self.scheme is None:
+                return self.ops.linear(x, self.weight, bias)
+            return self.ops.int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
+
+    def quantize(self, scheme, parts: int) -> None:
+        """Hold int8 weights [N, K] and their fp32 scales [N, 1] (and a static input scale per fused part), to be
+        loaded from the checkpoint; before loading, on the meta device."""
+        device = self.weight.device
+        self.scheme = scheme
+        self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=torch.int8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(self.out_features, 1, device=device), requires_grad=False)
+        if not scheme.dynamic:
+            self.input_scale = nn.Parameter(torch.empty(parts, device=device), requires_grad=False)
 
     def pack(self) -> None:
         """Swap the loaded weight for the kernels' preferred layout (inference only; weights are final)."""
+        if self.scheme is not None:
+            if self.input_scale is not None:  # the parts of a fused layer see one input: one scale covers them all
+                self.input_scale = nn.Parameter(self.input_scale.max().reshape(1), requires_grad=False)
+            return
         packed = self.ops.pack_linear_weight(self.weight.data)
         if packed is not self.weight.data:
             del self.weight
@@ -46,8 +68,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        with scope("matmul"):
-            y = self.ops.linear(x, self.weight, None)
+        y = self._matmul(x, None)
         if not self.reduce_results:
             return y if self.bias is None or self.tp.rank else y + self.bias
         y = self.tp.all_reduce(y)

@@ -3,6 +3,7 @@ a checkpoint that does not fill every parameter, or fills one with the wrong sha
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import ModuleType
 
@@ -14,8 +15,16 @@ from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_o
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.mtp import attach_mtp
+from backend.models.layers import Linear
+from backend.models.quantization import (
+    CompressedTensors, UnsupportedQuantization, check_loaded_dtype, quantization_of, quantize_layers,
+)
 from backend.models.registry import resolve_model
 
+# Checkpoint tensors of one value per layer (a static activation scale): every rank reads them whole, and the parts of
+# a fused layer each fill their own entry.
+PER_TENSOR = (".input_scale",)
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,12 +47,6 @@ def load_config(model_dir: Path):
             f"{model_dir / 'config.json'}: unsupported architecture {architectures or config.model_type!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:  # (its weights are not what the model's parameters hold: loading them would be garbage)
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ModelLoadError(
-            f"{model_dir / 'config.json'}: quantized checkpoints ({method!r}) are not served yet; use one in bf16, fp16 "
-            "or fp32 (DeepSeek's FP8 release converts with its fp8_cast_bf16.py)")
     return config
 
 
@@ -96,13 +99,19 @@ def load_model(
     tp: TensorParallel = SINGLE,
     expert_parallel: bool = False,
     mtp: bool = False,
+    quantization: str | None = None,
 ):
     """(model, config, model_dir): weights loaded on `device` in `dtype`, rope table sized for max_model_len;
     under tensor parallelism, only this rank's shards are read (and its experts, with expert_parallel); with mtp,
-    the checkpoint's multi-token-prediction layer too (backend/models/mtp.py)."""
+    the checkpoint's multi-token-prediction layer too (backend/models/mtp.py). A quantized checkpoint's int8 layers
+    stay int8 (backend/models/quantization.py); `quantization` is vLLM's flag, None to follow config.json."""
     device = torch.device(device)
     model_dir = resolve_model(model)
     config = load_config(model_dir)
+    try:
+        quant = quantization_of(config, quantization, model_dir / "config.json")
+    except UnsupportedQuantization as e:
+        raise ModelLoadError(str(e)) from e
     torch_dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):
@@ -114,6 +123,8 @@ def load_model(
     # Cast while still on meta, so the device never holds a float32 copy of the weights (freed fp32
     # blocks would stay reserved by the caching allocator and count against the KV cache).
     module = module.to(torch_dtype)
+    if quant is not None:
+        _quantize(module, quant, ops, model_dir)
     for router in (m for m in module.modules() if isinstance(m, Router)):
         router.float()
     module = module.to_empty(device=device)
@@ -122,6 +133,25 @@ def load_model(
     module.init_expert_load()
     module.init_rope(max_model_len or max_model_len_of(config))
     return module.eval(), config, model_dir
+
+
+def _quantize(module: LlamaForCausalLM, quant: CompressedTensors, ops: ModuleType, model_dir: Path) -> None:
+    """Give the layers the checkpoint stores in int8 their int8 parameters (still on the meta device)."""
+    where = model_dir / "config.json"
+    has_experts = any(isinstance(m, FusedMoE) for m in module.modules())
+    kinds = [kind for kind, present in (("latent attention", module.latent_kv), ("experts", has_experts),
+                                        ("a multi-token-prediction layer", module.mtp is not None)) if present]
+    if kinds:
+        raise ModelLoadError(f"{where}: {quant.description} is served for dense models; this one has "
+                             f"{' and '.join(kinds)} (not served quantized yet)")
+    if not hasattr(ops, "int8_linear"):
+        raise ModelLoadError(f"{where}: {quant.description} has no int8 kernels on this device yet (CPU and CUDA "
+                             "serve it)")
+    try:
+        quantize_layers(module, quant, Linear)
+    except UnsupportedQuantization as e:
+        raise ModelLoadError(f"{where}: {e}") from e
+    log.info("%s: %s", where.parent.name, quant.description)
 
 
 def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
@@ -139,7 +169,8 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
                     if expert:
                         _load_expert_tensor(experts, expert, f, stored, path)
                         continue
-                    tensor = _read(f, stored, module.checkpoint_shard(key))
+                    shard = None if key.endswith(PER_TENSOR) else module.checkpoint_shard(key)
+                    tensor = _read(f, stored, shard)
                     _load_tensor(module, params, unfilled, key, tensor, path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
@@ -190,13 +221,20 @@ def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path:
         if f".{part}." in key:
             target = key.replace(f".{part}.", f".{fused}.")
             sizes = module.shard_sizes(key, fused)
-            rows = slice(sum(sizes[:shard]), sum(sizes[: shard + 1]))
+            rows = slice(shard, shard + 1) if key.endswith(PER_TENSOR) else \
+                slice(sum(sizes[:shard]), sum(sizes[: shard + 1]))
             break
+    if key.endswith(PER_TENSOR) and tensor.dim() == 0:  # (older checkpoints store a scalar)
+        tensor = tensor.reshape(1)
     param = params.get(target)
     if param is None:
         raise ModelLoadError(f"{path}: unexpected tensor {key!r} for {module.config.architectures[0]}")
     dest = param.data[rows]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    try:
+        check_loaded_dtype(dest, tensor, key, path)
+    except UnsupportedQuantization as e:
+        raise ModelLoadError(str(e)) from e
     dest.copy_(tensor)
     unfilled[target] -= dest.shape[0]

@@ -22,7 +22,6 @@ NO_EFFECT = {
 ONLY = {
     "pipeline_parallel_size": 1,
     "kv_cache_dtype": "auto",
-    "quantization": None,
     "load_format": "auto",
 }
 

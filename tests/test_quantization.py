@@ -1,0 +1,228 @@
+"""W8A8 checkpoints (compressed-tensors): `npu-llm quantize` writes them with the compressed-tensors package; npu-llm
+serves them with int8 weights, and its greedy outputs equal transformers' on the same checkpoint in fp32; the CPU's
+int8 kernels equal the reference at every CPU level; tensor parallel shards the int8 weights and their scales; and a
+checkpoint that contradicts its config, or asks for a scheme npu-llm does not run, fails the load naming why."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend import LLM, SamplingParams
+from backend.cli import main as cli_main
+from backend.models.loader import ModelLoadError, load_model
+from backend.quantize import quantize_checkpoint
+from backend.triton.model_json import parse_model_json
+from npu_llm_kernels import cpu, ops_for, torch_ref
+from tests.conftest import make_tiny_model
+from tests.test_model_parity import _check_against_hf, _prompt_logits
+from tests.test_tensor_parallel import STEPS, _generate
+
+VOCAB = 49152  # the default model's tokenizer: the calibration text is tokenized with it
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("source"), vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module", params=["w8a8_dynamic", "w8a8"])
+def quantized(request, source, tmp_path_factory, default_model_dir):
+    """(scheme, folder), written through the CLI."""
+    out = tmp_path_factory.mktemp(request.param) / "out"
+    assert cli_main(["quantize", "--model", str(source), "--out", str(out), "--scheme", request.param,
+                     "--tokenizer", str(default_model_dir)]) == 0
+    return request.param, out
+
+
+def test_the_checkpoint_is_int8_as_compressed_tensors_describes_it(quantized):
+    scheme, out = quantized
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "int-quantized"
+    assert config["ignore"] == ["lm_head"]
+    inputs = config["config_groups"]["group_0"]["input_activations"]
+    assert (inputs["dynamic"], inputs["strategy"]) == ((True, "token") if scheme == "w8a8_dynamic" else (False, "tensor"))
+    weights = load_file(out / "model.safetensors")
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    assert weights["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 1)
+    assert weights["lm_head.weight"].dtype == torch.float32
+    assert ("model.layers.0.mlp.down_proj.input_scale" in weights) == (scheme == "w8a8")
+
+
+def test_greedy_outputs_equal_transformers_on_the_same_checkpoint(quantized):
+    """transformers (with compressed-tensors) dequantizes the weights and fake-quantizes the activations; npu-llm
+    multiplies int8 by int8. In fp32 the two agree to rounding, and greedy tokens are identical. (The logits' bound
+    is wider than an unquantized model's: a rounding difference of 1e-7 can move an activation across a
+    quantization step, which changes a logit by about 1e-3.)"""
+    _, out = quantized
+    model, _, _ = load_model(out, ops_for("cpu"), dtype="float32")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (64 + 2 * 32, 1)
+    prompt = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    _check_against_hf(out, prompt, block_size=16, atol=1e-2)
+
+
+def test_quantized_logits_stay_close_to_the_unquantized_model(quantized, source):
+    _, out = quantized
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours = _prompt_logits(load_model(out, ops_for("cpu"), dtype="float32")[0], prompt, 16)
+    unquantized = _prompt_logits(load_model(source, ops_for("cpu"), dtype="float32")[0], prompt, 16)
+    assert torch.nn.functional.cosine_similarity(ours, unquantized, dim=-1).min() > 0.999
+    assert (ours.argmax(-1) == unquantized.argmax(-1)).float().mean() > 0.85
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, cpu_level):
+    """bf16 activations at this CPU level (VNNI: oneDNN's int8 GEMM; else torch's int8-weight matmul) against
+    torch_ref in fp32, from a decode row to a prefill chunk: within bf16's rounding of the output."""
+    torch.manual_seed(0)
+    for rows, k, n in [(1, 64, 96), (3, 576, 192), (17, 128, 64), (300, 256, 160)]:
+        weight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        weight_scale, bias = torch.rand(n, 1) / 100, torch.randn(n)
+        x = torch.randn(rows, k).bfloat16()
+        input_scale = x.float().abs().amax().reshape(1) / 127.5 if static else None
+        got = cpu.int8_linear(x, weight, weight_scale, input_scale, bias.bfloat16())
+        want = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float())
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max(), (rows, k, n)
+
+
+def test_a_bfloat16_engine_serves_the_checkpoint_close_to_fp32(quantized, default_model_dir):
+    """Through the engine in bf16 (the CPU's int8 kernels), with chunked prefill: every KV block returns to the pool,
+    and each prompt's first greedy token is among fp32's five most likely (this tiny random model's logits lie too
+    close together for bf16 to pick fp32's very token every time)."""
+    _, out = quantized
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 50)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    results = {}
+    for dtype in ("bfloat16", "float32"):
+        with LLM(model=str(out), tokenizer=str(default_model_dir), dtype=dtype, num_kv_blocks=32, block_size=16,
+                 max_num_batched_tokens=32) as llm:
+            results[dtype] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+            assert llm.engine.kv.num_free_blocks == 32
+    for bf16, fp32 in zip(results["bfloat16"], results["float32"]):
+        assert len(bf16.token_ids) == 8 and bf16.token_ids[0] in fp32.logprobs[0]
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_a_static_checkpoint_as_one(source, tmp_path, default_model_dir):
+    """Column-parallel layers take their rows of the int8 weights and of the scales; row-parallel ones their columns
+    and the whole scales; every rank reads the static input scales whole. (Dynamic W8A8 under tensor parallel
+    quantizes each rank's share of a row-parallel input on its own, as vLLM does: not bit-equal to one rank.)"""
+    out = quantize_checkpoint(str(source), tmp_path / "w8a8", "w8a8", tokenizer=default_model_dir)
+    alone, _ = _generate(out, default_model_dir, 1)
+    sharded, _ = _generate(out, default_model_dir, 2)
+    for a, b in zip(alone, sharded):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == STEPS
+
+
+# -- bad checkpoints and settings --------------------------------------------------------------------------------
+
+
+def _edit(folder, tmp_path, weights=None, config=None):
+    """A copy of a checkpoint with its tensors and config.json edited."""
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    if weights:
+        tensors = load_file(copy / "model.safetensors")
+        weights(tensors)
+        save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        values = json.loads((copy / "config.json").read_text())
+        config(values["quantization_config"])
+        (copy / "config.json").write_text(json.dumps(values))
+    return copy
+
+
+Q = "model.layers.1.self_attn.q_proj."
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda w: w.pop(Q + "weight_scale"), "lacks tensors for model.layers.1.self_attn.qkv_proj.weight_scale"),
+    (lambda w: w.update({Q + "weight_scale": torch.ones(64)}),
+     "tensor 'model.layers.1.self_attn.q_proj.weight_scale' has shape \\(64,\\), expected \\(64, 1\\)"),
+    (lambda w: w.update({Q + "weight": w[Q + "weight"].float()}),
+     "tensor 'model.layers.1.self_attn.q_proj.weight' is float32, .* makes it int8"),
+    (lambda w: w.update({Q + "input_scale": torch.ones(1)}),
+     "unexpected tensor 'model.layers.1.self_attn.q_proj.input_scale'"),
+])
+def test_a_checkpoint_that_contradicts_its_config_fails_naming_the_tensor(source, tmp_path, edit, message):
+    out = quantize_checkpoint(str(source), tmp_path / "dyn", "w8a8_dynamic")
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_edit(out, tmp_path, weights=edit), ops_for("cpu"), dtype="float32")
+
+
+def _weights(group):
+    return group["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: _weights(c).update(num_bits=4), "weights \\(4-bit int, symmetric, per channel, static\\) are not served"),
+    (lambda c: _weights(c).update(symmetric=False), "asymmetric"),
+    (lambda c: _weights(c).update(strategy="group", group_size=32), "per group of 32"),
+    (lambda c: c["config_groups"]["group_0"].update(input_activations=None),
+     "input activations left unquantized are not served"),
+    (lambda c: c["config_groups"]["group_0"].update(format="pack-quantized"), "stored 'pack-quantized'"),
+    (lambda c: c.update(ignore=[]), "a quantized lm_head is not served yet"),
+    (lambda c: c.update(ignore=["model.layers.0.self_attn.k_proj"]),
+     "model.layers.0.self_attn.qkv_proj: its checkpoint layers are quantized differently"),
+    (lambda c: c.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}),
+     "a quantized KV cache"),
+    (lambda c: c.update(quant_method="awq"), "quant_method 'awq' is not served"),
+])
+def test_a_scheme_npu_llm_does_not_run_fails_the_load_naming_it(source, tmp_path, edit, message):
+    out = quantize_checkpoint(str(source), tmp_path / "dyn", "w8a8_dynamic")
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_edit(out, tmp_path, config=edit), ops_for("cpu"), dtype="float32")
+
+
+def test_int8_weights_without_a_quantization_config_are_refused(source, tmp_path):
+    out = quantize_checkpoint(str(source), tmp_path / "dyn", "w8a8_dynamic")
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="down_proj.weight' is int8, .* makes it float32"):
+        load_model(out, ops_for("cpu"), dtype="float32")
+
+
+def test_the_quantization_setting_is_checked_against_the_checkpoint(source, quantized):
+    _, out = quantized
+    assert load_model(out, ops_for("cpu"), dtype="float32", quantization="compressed-tensors")[0] is not None
+    with pytest.raises(ModelLoadError, match="quantization='compressed-tensors': .* has no quantization_config"):
+        load_model(source, ops_for("cpu"), dtype="float32", quantization="compressed-tensors")
+    with pytest.raises(ModelLoadError, match="quantization='ascend': msModelSlim checkpoints are not served yet"):
+        load_model(out, ops_for("cpu"), dtype="float32", quantization="ascend")
+
+
+def test_quantized_experts_are_refused_until_they_are_served(tmp_path):
+    moe = make_tiny_model("qwen3_moe", tmp_path / "moe")
+    config = json.loads((moe / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                     "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                                         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                                         "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                               "strategy": "token", "dynamic": True}}},
+                                     "ignore": ["lm_head"]}
+    (moe / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="served for dense models; this one has experts"):
+        load_model(moe, ops_for("cpu"), dtype="float32")
+
+
+def test_model_json_takes_vllms_quantization_values_and_refuses_others():
+    assert parse_model_json({"quantization": "compressed-tensors"}).config.quantization == "compressed-tensors"
+    assert parse_model_json({"quantization": None}).config.quantization is None
+    with pytest.raises(ValueError, match="quantization='awq': must be one of compressed-tensors, ascend"):
+        parse_model_json({"quantization": "awq"})
+
+
+def test_quantize_refuses_an_unknown_scheme_and_a_bad_calibration_file(source, tmp_path):
+    with pytest.raises(ValueError, match="scheme 'w4a16'"):
+        quantize_checkpoint(str(source), tmp_path / "a", "w4a16")
+    bad = tmp_path / "calibration.jsonl"
+    bad.write_text('{"text": "fine"}\n{"prompt": "no text"}\n')
+    with pytest.raises(ValueError, match='calibration.jsonl:2: expected an object with a "text" string'):
+        quantize_checkpoint(str(source), tmp_path / "b", "w8a8", calibration=bad)
