@@ -142,26 +142,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """torch_ref.int8_linear's W8A8 matmul, for bf16 activations on x86 (fp32 ones, and other CPUs, take torch_ref's).
+    """torch_ref.int8_linear's W8A8 matmul, with the weights int8 in memory and the int8 products summed exactly.
 
-    With VNNI, oneDNN's int8 GEMM (torch._int_mm: int8 x int8, int32 accumulators). Without it oneDNN's int8 GEMM
-    is not used: it multiplies through 16-bit intermediates that saturate on full-range int8 weights (measured on
-    an AVX2 EPYC: errors of 2.3 on outputs of 14; exact with |w| <= 63). There torch's int8-weight matmul takes the
-    quantized activations as bf16, which holds every int8 value exactly, and accumulates in fp32; the weights stay
-    int8 in memory and are widened in its inner loop, never as a whole.
+    With AVX512-VNNI: oneDNN's int8 GEMM (torch._int_mm, int32 accumulators) on activations quantized by torch_ref.
+    Without it oneDNN's int8 GEMM is not used: it multiplies through 16-bit intermediates that saturate on full-range
+    int8 weights (measured on an AVX2 EPYC: errors of 2.3 on outputs of 14; exact with |w| <= 63). There
+    csrc/linear_int8_avx2.cpp quantizes the activations and multiplies in 16 bits with 32-bit sums. Elsewhere
+    (no extension, or K not a multiple of 16): torch_ref.
     """
-    features = cpu_features()
-    if x.dtype != torch.bfloat16 or not features.x86 or not _enabled():
-        return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias)
-    q, scale = torch_ref.quantize_int8(x.reshape(-1, x.shape[-1]), input_scale)
-    if features.vnni:
-        y = torch._int_mm(q.to(torch.int8), weight.t()).float() * weight_scale.view(1, -1)
-    else:
-        y = torch._weight_int8pack_mm(q.to(torch.bfloat16), weight, weight_scale.view(-1).to(torch.bfloat16)).float()
-    y = y * scale
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    features, ext = cpu_features(), _extension()
+    if features.vnni and _enabled():
+        q, scale = torch_ref.quantize_int8(x.reshape(-1, x.shape[-1]), input_scale)
+        y = torch._int_mm(q.to(torch.int8), weight.t()).float() * scale * weight_scale.view(1, -1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    if ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0:
+        return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias)
+    return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias)
 
 
 def _avx2_linear():

@@ -75,14 +75,18 @@ def test_quantized_logits_stay_close_to_the_unquantized_model(quantized, source)
 
 @pytest.mark.parametrize("static", [False, True])
 def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, cpu_level):
-    """bf16 activations at this CPU level (VNNI: oneDNN's int8 GEMM; else torch's int8-weight matmul) against
-    torch_ref in fp32, from a decode row to a prefill chunk: within bf16's rounding of the output."""
+    """At this CPU level (VNNI: oneDNN's int8 GEMM; else the extension's AVX2 kernel; K not a multiple of 16, or no
+    AVX2: torch_ref), from a decode row to a prefill chunk: fp32 activations give torch_ref's very result (the int8
+    products are summed exactly either way), bf16 ones the same within bf16's rounding of the output."""
     torch.manual_seed(0)
-    for rows, k, n in [(1, 64, 96), (3, 576, 192), (17, 128, 64), (300, 256, 160)]:
+    for rows, k, n in [(1, 64, 96), (3, 576, 193), (17, 128, 64), (300, 256, 160), (5, 72, 33)]:
         weight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         weight_scale, bias = torch.rand(n, 1) / 100, torch.randn(n)
         x = torch.randn(rows, k).bfloat16()
         input_scale = x.float().abs().amax().reshape(1) / 127.5 if static else None
+        exact = cpu.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float())
+        assert torch.equal(exact, torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale,
+                                                        bias.bfloat16().float())), (rows, k, n)
         got = cpu.int8_linear(x, weight, weight_scale, input_scale, bias.bfloat16())
         want = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float())
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)

@@ -15,7 +15,6 @@ from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_o
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.mtp import attach_mtp
-from backend.models.layers import Linear
 from backend.models.quantization import (
     CompressedTensors, UnsupportedQuantization, check_loaded_dtype, quantization_of, quantize_layers,
 )
@@ -148,7 +147,7 @@ def _quantize(module: LlamaForCausalLM, quant: CompressedTensors, ops: ModuleTyp
         raise ModelLoadError(f"{where}: {quant.description} has no int8 kernels on this device yet (CPU and CUDA "
                              "serve it)")
     try:
-        quantize_layers(module, quant, Linear)
+        quantize_layers(module, quant)
     except UnsupportedQuantization as e:
         raise ModelLoadError(f"{where}: {e}") from e
     log.info("%s: %s", where.parent.name, quant.description)

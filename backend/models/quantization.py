@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from backend.config import QUANTIZATION_CHOICES
+from backend.models.layers import Linear
 
 FORMAT = "int-quantized"  # compressed-tensors' format for int8 weights stored as int8 tensors
 
@@ -147,7 +148,7 @@ def _describe(args) -> str:
     return f"({args.num_bits}-bit {args.type}, {kind}, per {args.strategy}{group}, {dynamic})"
 
 
-def quantize_layers(model: nn.Module, quantization: CompressedTensors, linear_class: type) -> None:
+def quantize_layers(model: nn.Module, quantization: CompressedTensors) -> None:
     """On the meta device, before loading: every layer the checkpoint stores in int8 gets int8 weights and scales.
 
     A fused layer of ours (qkv_proj, gate_up_proj) is several checkpoint layers: they must share one scheme, as
@@ -156,7 +157,7 @@ def quantize_layers(model: nn.Module, quantization: CompressedTensors, linear_cl
     """
     fused = _fused_parts(model.stacked_params)
     for name, module in model.named_modules():
-        if isinstance(module, linear_class):
+        if isinstance(module, Linear):
             prefix, _, last = name.rpartition(".")
             parts = [f"{prefix}.{part}" for part in fused.get(last, [last])]
             schemes = {part: quantization.scheme_for(part, module) for part in parts}
