@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check that the device computes what the CPU computes (fp32 reference)")
     EngineConfig.add_cli_args(verify)
     verify.add_argument("--steps", type=int, default=32, help="decode steps compared per prompt")
+    verify.add_argument("--reference", default=None, metavar="MODEL",
+                        help="compare with this model instead (a quantized model's unquantized source)")
     verify.set_defaults(func=_cmd_verify)
 
     quantize = commands.add_parser("quantize", help="write a W8A8 (compressed-tensors) checkpoint of a model")

@@ -11,6 +11,10 @@ npu_llm_kernels/torch_ref.py on the CPU in float32, from the same weights. Compa
 - top-1 agreement of those logits, and greedy agreement: how many of the device's own greedy
   tokens, generated freely, match the reference's before the first difference.
 Each figure passes or fails against the tolerance of the device's dtype (TOLERANCES; docs/npu.md).
+
+With --reference, the reference is another model: a quantized checkpoint against the unquantized model it was made
+from (`npu-llm quantize`), on the same prompts; the tolerance is then the quantization scheme's
+(AGAINST_THE_SOURCE; docs/quantization.md).
 Of the engine flags, --model, --tokenizer, --device, --dtype, --block-size and --no-enforce-eager
 (decode steps replayed from captured graphs) apply; one sequence runs at a time.
 """
@@ -55,6 +59,13 @@ TOLERANCES = {
     torch.float16: Tolerance(cosine=0.999, relative_error=0.05, top1=0.9, greedy=0.5),
     torch.bfloat16: Tolerance(cosine=0.995, relative_error=0.15, top1=0.85, greedy=0.25),
 }
+
+
+# A quantized model (on the device, in its dtype) against its unquantized source in fp32: what W8A8 dynamic costs
+# the default model on the CPU in bf16, with margin (docs/quantization.md). Static W8A8 is held to the same: a
+# static checkpoint that fails them loses more than dynamic quantization would.
+_W8A8 = Tolerance(cosine=0.95, relative_error=0.5, top1=0.7, greedy=0.1)
+AGAINST_THE_SOURCE = {"w8a8_dynamic": _W8A8, "w8a8": _W8A8}
 
 
 @dataclass
@@ -119,8 +130,10 @@ def _relative_error(device: torch.Tensor, reference: torch.Tensor) -> float:
     return ((device - reference).abs().max() / reference.abs().max()).item()
 
 
-def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) -> tuple[str, list[Figure]]:
-    """(a heading, the figures): the model on config.device in config.dtype against torch_ref in fp32."""
+def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS,
+           reference: str | None = None) -> tuple[str, list[Figure]]:
+    """(a heading, the figures): the model on config.device in config.dtype against torch_ref in fp32, running the
+    same model or the `reference` one."""
     if steps < 1:
         raise ValueError(f"steps={steps}: compare at least one decode step")
     if config.tensor_parallel_size > 1:
@@ -132,10 +145,12 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     encoded = [tokenizer.encode(p) for p in prompts]
     max_len = max(map(len, encoded)) + steps
-    model, _, _ = load_model(model_dir, ops_for(platform.name), platform.device, config.dtype, max_len)
-    reference, _, _ = load_model(model_dir, torch_ref, "cpu", "float32", max_len)
+    model, _, _ = load_model(model_dir, ops_for(platform.name), platform.device, config.dtype, max_len,
+                             quantization=config.quantization)
+    reference_dir = resolve_model(reference) if reference else model_dir
+    reference_model, _, _ = load_model(reference_dir, torch_ref, "cpu", "float32", max_len)
     device = _Side(model, platform.device, config.block_size, max_len)
-    cpu = _Side(reference, torch.device("cpu"), config.block_size, max_len)
+    cpu = _Side(reference_model, torch.device("cpu"), config.block_size, max_len)
     if not config.enforce_eager:  # the device's decode steps replay captured graphs
         device.runner.capture_decode_graphs(platform, 1, max_len)
 
@@ -172,7 +187,8 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
                 own = device.decode(token, len(ids) + step)
         greedy.append(agreed / steps)
 
-    tolerance = TOLERANCES[model.dtype]
+    scheme = next((m.scheme.name for m in model.modules() if getattr(m, "scheme", None)), None)
+    tolerance = AGAINST_THE_SOURCE[scheme] if reference and scheme else TOLERANCES[model.dtype]
     figures = []
     for g, layers in enumerate(groups):
         ours, theirs = torch.cat(hidden[g][0]), torch.cat(hidden[g][1])
@@ -189,8 +205,10 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS) 
     ]
     dtype = str(model.dtype).removeprefix("torch.")
     mode = "eager" if config.enforce_eager else "decode graphs"
-    heading = (f"{model_dir.name} on {platform.device} in {dtype} ({mode}) against npu_llm_kernels/torch_ref.py on "
-               f"the CPU in float32: {len(prompts)} prompts, {steps} steps")
+    quantized = f", {scheme}" if scheme else ""
+    against = reference_dir.name if reference else "npu_llm_kernels/torch_ref.py"
+    heading = (f"{model_dir.name} on {platform.device} in {dtype}{quantized} ({mode}) against {against} on the CPU "
+               f"in float32: {len(prompts)} prompts, {steps} steps")
     return heading, figures
 
 
@@ -205,6 +223,6 @@ def render(heading: str, figures: list[Figure]) -> str:
 
 def run_verify(args) -> int:
     config = EngineConfig.from_cli_args(args)
-    heading, figures = verify(config, args.steps)
+    heading, figures = verify(config, args.steps, reference=args.reference)
     print(render(heading, figures), flush=True)
     return 0 if all(f.passed for f in figures) else 1

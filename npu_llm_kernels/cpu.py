@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from npu_llm_kernels import torch_ref
 from npu_llm_kernels.timing import scope
+from npu_llm_kernels.torch_ref import pack_int8_weight  # noqa: F401  (int8 weights stay [N, K])
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features
 from npu_llm_kernels.metadata import AttentionMetadata

@@ -10,6 +10,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     decode_graph_widths,
     fused_experts,
     int8_linear,
+    pack_int8_weight,
     linear,
     pack_expert_weights,
     pack_linear_weight,

@@ -39,6 +39,11 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[t
     return torch.round(x / scale).clamp_(-128, 127), scale.float()
 
 
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """int8 weights in whatever layout `int8_linear` runs fastest from (here: as they are, [N, K])."""
+    return weight
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x w^T (+ bias) for int8 weights [N, K] with per-channel scales [N, 1], x quantized to int8 first: per token

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -69,11 +70,14 @@ def fake_npu(monkeypatch):
 
     npu_llm_kernels.__dict__.pop("npu", None)
     npu_llm_kernels.__dict__.pop("npu_mla", None)
-    platform_modules = ["npu_llm_kernels.npu", "npu_llm_kernels.npu_mla"]
+    npu_llm_kernels.__dict__.pop("npu_quant", None)
+    platform_modules = ["npu_llm_kernels.npu", "npu_llm_kernels.npu_mla", "npu_llm_kernels.npu_quant"]
     for name in [n for n in sys.modules if n.split(".")[0] == "torch_npu"] + platform_modules:
         sys.modules.pop(name, None)
-    if hasattr(torch, "npu"):
-        del torch.npu
+    # The fake registered "npu" as torch's PrivateUse1 backend, which cannot be undone: torch.accelerator now asks
+    # torch.npu whether one is available (compressed-tensors does, loading a checkpoint), so the answer stays: no.
+    torch.npu = types.ModuleType("torch.npu")
+    torch.npu.is_available, torch.npu.device_count = (lambda: False), (lambda: 0)
     for key in ("PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE"):
         os.environ.pop(key, None)
 

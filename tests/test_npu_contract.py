@@ -12,8 +12,8 @@ import torch
 from tests.conftest import FAKE_TORCH_NPU as FAKE
 
 
-# Imports every module of npu-llm but the NPU kernels (npu, npu_mla: ops_for("npu") loads them once the NPU is chosen),
-# then picks the CPU, and prints whether torch autoloaded torch_npu and which of our modules imported it.
+# Imports every module of npu-llm but the NPU kernels (npu, npu_mla, npu_quant: ops_for("npu") loads them once the NPU
+# is chosen), then picks the CPU, and prints whether torch autoloaded torch_npu and which of our modules imported it.
 _IMPORT_EVERYTHING = """
 import builtins, importlib, pkgutil, sys
 ours, real_import = [], builtins.__import__
@@ -29,7 +29,8 @@ import backend, npu_llm_kernels, loadtest
 for package in (backend, npu_llm_kernels, loadtest):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         # (the NPU kernels, Triton's and locust's own)
-        if info.name not in ("npu_llm_kernels.npu", "npu_llm_kernels.npu_mla", "backend.triton.model",
+        if info.name not in ("npu_llm_kernels.npu", "npu_llm_kernels.npu_mla", "npu_llm_kernels.npu_quant",
+                             "backend.triton.model",
                              "loadtest.locustfile"):
             importlib.import_module(info.name)
 from backend.platform import resolve_platform

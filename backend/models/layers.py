@@ -45,11 +45,12 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Swap the loaded weight for the kernels' preferred layout (inference only; weights are final)."""
-        if self.scheme is not None:
+        if self.scheme is None:
+            packed = self.ops.pack_linear_weight(self.weight.data)
+        else:
             if self.input_scale is not None:  # the parts of a fused layer see one input: one scale covers them all
                 self.input_scale = nn.Parameter(self.input_scale.max().reshape(1), requires_grad=False)
-            return
-        packed = self.ops.pack_linear_weight(self.weight.data)
+            packed = self.ops.pack_int8_weight(self.weight.data)
         if packed is not self.weight.data:
             del self.weight
             self.register_buffer("weight", packed, persistent=False)

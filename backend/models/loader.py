@@ -143,9 +143,6 @@ def _quantize(module: LlamaForCausalLM, quant: CompressedTensors, ops: ModuleTyp
     if kinds:
         raise ModelLoadError(f"{where}: {quant.description} is served for dense models; this one has "
                              f"{' and '.join(kinds)} (not served quantized yet)")
-    if not hasattr(ops, "int8_linear"):
-        raise ModelLoadError(f"{where}: {quant.description} has no int8 kernels on this device yet (CPU and CUDA "
-                             "serve it)")
     try:
         quantize_layers(module, quant)
     except UnsupportedQuantization as e:

@@ -575,3 +575,10 @@ from ._mla import (  # noqa: E402, F401
     npu_interleave_rope,
     npu_kv_rmsnorm_rope_cache,
 )
+from ._quant import (  # noqa: E402, F401  (W8A8)
+    get_npu_format,
+    npu_dynamic_quant,
+    npu_format_cast,
+    npu_quant_matmul,
+    npu_quantize,
+)

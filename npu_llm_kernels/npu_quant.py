@@ -1,0 +1,48 @@
+"""W8A8 linear layers on the NPU, as vllm-ascend v0.23.0 runs compressed-tensors W8A8 checkpoints (docs/npu.md,
+section 13): its `AscendW8A8DynamicLinearMethod` (quantization/methods/w8a8_dynamic.py) for dynamic per-token
+activations, and `AscendW8A8LinearMethod` (w8a8_static.py) for static ones, whose dequantization scale is
+input_scale * weight_scale for compressed-tensors checkpoints.
+
+- Weights: int8 [N, K] transposed to [K, N] and cast to FRACTAL_NZ (`npu_format_cast(w, 29)`, vllm-ascend's
+  maybe_trans_nz, which converts int8 weights by default).
+- Dynamic: `npu_dynamic_quant(x, dst_type=torch.int8)` gives int8 rows and their fp32 scales (absmax / 127), then
+  `npu_quant_matmul(x, w, weight_scale, pertoken_scale=..., bias=..., output_dtype=x.dtype)`.
+- Static: `npu_quantize(x, 1 / input_scale (per column), zero offsets, torch.qint8, -1, False)`, then
+  `npu_quant_matmul(x, w, input_scale * weight_scale, bias=..., output_dtype=x.dtype)`.
+
+The scales go as fp32: npu_quant_matmul's table of supported combinations takes an fp32 scale for bf16 and fp16
+outputs alike (vllm-ascend passes a bf16 weight_scale for bf16 models, which the table also allows).
+Dynamic quantization here divides by 127, as the op does, where compressed-tensors divides by 127.5: the NPU's
+results differ from the CPU's by that rounding, as vllm-ascend's differ from vLLM's.
+"""
+from __future__ import annotations
+
+import torch
+import torch_npu
+
+ACL_FORMAT_FRACTAL_NZ = 29
+
+
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [K, N] in FRACTAL_NZ, the layout npu_quant_matmul reads fastest."""
+    return torch_npu.npu_format_cast(weight.t().contiguous(), ACL_FORMAT_FRACTAL_NZ)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch_ref.int8_linear on the NPU; `weight` as pack_int8_weight left it ([K, N])."""
+    flat = x.reshape(-1, x.shape[-1])
+    scale = weight_scale.reshape(-1).float()
+    bias = None if bias is None else bias.float()
+    if input_scale is None:
+        quantized, pertoken_scale = torch_npu.npu_dynamic_quant(flat, dst_type=torch.int8)
+        y = torch_npu.npu_quant_matmul(quantized, weight, scale, pertoken_scale=pertoken_scale, bias=bias,
+                                       output_dtype=x.dtype)
+    else:
+        k = flat.shape[-1]
+        reciprocal = (1.0 / input_scale.float()).to(x.dtype).repeat(k)
+        offset = torch.zeros(k, dtype=x.dtype, device=x.device)
+        quantized = torch_npu.npu_quantize(flat, reciprocal, offset, torch.qint8, -1, False)
+        y = torch_npu.npu_quant_matmul(quantized, weight, input_scale.float() * scale, bias=bias,
+                                       output_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[1])

@@ -1,0 +1,83 @@
+"""W8A8 on the NPU, against the fake torch_npu: the weights cast to FRACTAL_NZ, activations quantized by
+npu_dynamic_quant (dynamic) or npu_quantize (static), npu_quant_matmul with the scales vllm-ascend passes; the result
+equal to torch_ref's up to the op's own rounding (absmax / 127 where compressed-tensors divides by 127.5); the
+ops refuse what the real ones refuse; and the engine serves a W8A8 checkpoint on the NPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.quantize import quantize_checkpoint
+from tests.conftest import make_tiny_model
+
+VOCAB = 49152
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static):
+    from npu_llm_kernels import npu, torch_ref
+
+    torch.manual_seed(0)
+    rows, k, n = 9, 128, 96
+    x, bias = torch.randn(rows, k).bfloat16(), torch.randn(n)
+    weight, weight_scale = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, 1) / 100
+    input_scale = x.float().abs().amax().reshape(1) / 127.5 if static else None
+    packed = npu.pack_int8_weight(weight.to("npu"))
+    assert packed.shape == (k, n) and fake_npu.get_npu_format(packed) == 29
+    ours = npu.int8_linear(x.to("npu"), packed, weight_scale.to("npu"),
+                           None if input_scale is None else input_scale.to("npu"), bias.bfloat16().to("npu"))
+    expected = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float())
+    assert ours.device.type == "npu" and ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    # one int8 step of an activation moves an output by about |w| * scale_x * scale_w: within 3% of the largest
+    assert (ours.cpu().float() - expected).abs().max() < 0.03 * expected.abs().max()
+    quantize = "npu_quantize" if static else "npu_dynamic_quant"
+    assert fake_npu.calls == {"npu_format_cast": 1, quantize: 1, "npu_quant_matmul": 1}
+
+
+def test_npu_quant_ops_reject_what_the_real_ops_reject(fake_npu):
+    x = torch.randn(4, 64).bfloat16().to("npu")
+    w = torch.randint(-128, 128, (64, 32), dtype=torch.int8).to("npu")
+    q = torch.randint(-128, 128, (4, 64), dtype=torch.int8).to("npu")
+    scale = torch.rand(32).to("npu")
+    cases = [
+        (lambda: fake_npu.npu_dynamic_quant(x.float(), dst_type=torch.int8), "input must be float16/bfloat16"),
+        (lambda: fake_npu.npu_dynamic_quant(x[0], dst_type=torch.int8), "more than one dim"),
+        (lambda: fake_npu.npu_quantize(x, torch.ones(64).to("npu"), None, torch.qint8, -1, False),
+         "scales must be the input's dtype"),
+        (lambda: fake_npu.npu_quantize(x, torch.ones(7).bfloat16().to("npu"), None, torch.qint8, -1, False),
+         "size 1 or input.shape\\[axis\\] \\(64\\)"),
+        (lambda: fake_npu.npu_quant_matmul(x, w, scale, output_dtype=torch.bfloat16), "x1 and x2 must be int8"),
+        (lambda: fake_npu.npu_quant_matmul(q, w.t(), scale, output_dtype=torch.bfloat16), "x1 \\[M, K\\] and x2"),
+        (lambda: fake_npu.npu_quant_matmul(q, w, scale, pertoken_scale=torch.rand(3).to("npu"),
+                                           output_dtype=torch.bfloat16), "pertoken_scale must be fp32 \\[M=4\\]"),
+        (lambda: fake_npu.npu_quant_matmul(q, w, scale.bfloat16(), pertoken_scale=torch.rand(4).to("npu"),
+                                           output_dtype=torch.float16), "an fp16 output takes a torch.float32 scale"),
+        (lambda: fake_npu.npu_quant_matmul(q, w, torch.rand(5).to("npu"), output_dtype=torch.bfloat16),
+         "scale must be 1-D \\[1\\] or \\[N=32\\]"),
+        (lambda: fake_npu.npu_quant_matmul(q, w, scale.cpu(), output_dtype=torch.bfloat16), "scale must be on the NPU"),
+    ]
+    for call, message in cases:
+        with pytest.raises(fake_npu.NpuOpError, match=message):
+            call()
+
+
+def test_the_engine_serves_a_w8a8_checkpoint_on_the_npu(fake_npu, monkeypatch, tmp_path, default_model_dir):
+    """Greedy on the NPU (bf16) against the CPU's portable path on the same checkpoint: each prompt's first token
+    is among the CPU's five most likely (the two quantize activations with scales 127 / 127.5 apart)."""
+    from backend import LLM, SamplingParams
+
+    source = make_tiny_model("llama", tmp_path / "source", vocab_size=VOCAB)
+    out = quantize_checkpoint(str(source), tmp_path / "w8a8", "w8a8_dynamic")
+    prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+               for n in (7, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    args = dict(model=str(out), tokenizer=str(default_model_dir), dtype="bfloat16", num_kv_blocks=8)
+    with LLM(device="npu", **args) as llm:
+        on_npu = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.num_free_blocks == 8
+    assert fake_npu.calls["npu_quant_matmul"] > 0 and fake_npu.calls["npu_dynamic_quant"] > 0
+    monkeypatch.setenv("NPU_LLM_CPU_KERNELS", "0")
+    with LLM(device="cpu", block_size=128, **args) as llm:
+        on_cpu = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for npu_out, cpu_out in zip(on_npu, on_cpu):
+        assert len(npu_out.token_ids) == 6 and npu_out.token_ids[0] in cpu_out.logprobs[0]
