@@ -14,7 +14,7 @@ Each figure passes or fails against the tolerance of the device's dtype (TOLERAN
 
 With --reference, the reference is another model: a quantized checkpoint against the unquantized model it was made
 from (`npu-llm quantize`), on the same prompts; the tolerance is then the quantization scheme's
-(AGAINST_THE_SOURCE; docs/quantization.md).
+(QUANTIZED; docs/quantization.md). A quantized model is held to its scheme's tolerance against itself in fp32 too.
 Of the engine flags, --model, --tokenizer, --device, --dtype, --block-size and --no-enforce-eager
 (decode steps replayed from captured graphs) apply; one sequence runs at a time.
 """
@@ -61,11 +61,13 @@ TOLERANCES = {
 }
 
 
-# A quantized model (on the device, in its dtype) against its unquantized source in fp32: what W8A8 dynamic costs
-# the default model on the CPU in bf16, with margin (docs/quantization.md). Static W8A8 is held to the same: a
-# static checkpoint that fails them loses more than dynamic quantization would.
-_W8A8 = Tolerance(cosine=0.95, relative_error=0.5, top1=0.7, greedy=0.1)
-AGAINST_THE_SOURCE = {"w8a8_dynamic": _W8A8, "w8a8": _W8A8}
+# A quantized model on the device, in its dtype, against its unquantized source in fp32 (--reference), or against
+# itself in fp32: a rounding difference moves an activation across a quantization step, so the dtype's tolerance is
+# too tight even for the second. The figures are what W8A8 dynamic costs the default model on the CPU in bf16 against
+# its source, with margin (docs/quantization.md). Static W8A8 is held to the same: a static checkpoint that fails them
+# loses more than dynamic quantization would.
+_W8A8 = Tolerance(cosine=0.95, relative_error=0.5, top1=0.75, greedy=0.1)
+QUANTIZED = {"w8a8_dynamic": _W8A8, "w8a8": _W8A8}
 
 
 @dataclass
@@ -188,7 +190,7 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS,
         greedy.append(agreed / steps)
 
     scheme = next((m.scheme.name for m in model.modules() if getattr(m, "scheme", None)), None)
-    tolerance = AGAINST_THE_SOURCE[scheme] if reference and scheme else TOLERANCES[model.dtype]
+    tolerance = QUANTIZED[scheme] if scheme else TOLERANCES[model.dtype]
     figures = []
     for g, layers in enumerate(groups):
         ours, theirs = torch.cat(hidden[g][0]), torch.cat(hidden[g][1])

@@ -5,6 +5,7 @@ checkpoint that contradicts its config, or asks for a scheme npu-llm does not ru
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tests.test_model_parity import _check_against_hf, _prompt_logits
 from tests.test_tensor_parallel import STEPS, _generate
 
 VOCAB = 49152  # the default model's tokenizer: the calibration text is tokenized with it
+LLM_COMPRESSOR_W8A8 = Path(__file__).parent / "data" / "llmcompressor_w8a8_tiny_llama"
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,17 @@ def test_greedy_outputs_equal_transformers_on_the_same_checkpoint(quantized):
     assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (64 + 2 * 32, 1)
     prompt = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     _check_against_hf(out, prompt, block_size=16, atol=1e-2)
+
+
+def test_a_checkpoint_llm_compressor_made_is_served_as_transformers_serves_it():
+    """llm-compressor's own W8A8 (its QuantizationModifier; tests/data/llmcompressor_w8a8_tiny_llama/README.md):
+    its compressed-tensors version and extra files (recipe.yaml) are its own, and npu-llm reads it all the same."""
+    config = json.loads((LLM_COMPRESSOR_W8A8 / "config.json").read_text())["quantization_config"]
+    assert config["version"] == "0.19.0" and (LLM_COMPRESSOR_W8A8 / "recipe.yaml").is_file()
+    model, _, _ = load_model(LLM_COMPRESSOR_W8A8, ops_for("cpu"), dtype="float32")
+    assert model.model.layers[1].mlp.down_proj.scheme.name == "w8a8_dynamic"
+    prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    _check_against_hf(LLM_COMPRESSOR_W8A8, prompt, block_size=16, atol=1e-2)
 
 
 def test_quantized_logits_stay_close_to_the_unquantized_model(quantized, source):

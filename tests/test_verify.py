@@ -65,3 +65,23 @@ def test_a_moe_model_passes_on_the_npu_with_decode_graphs_and_a_broken_router_fa
     monkeypatch.setattr(npu, "select_experts", least_likely_experts)
     _, figures = verify(EngineConfig(**config), steps=2)
     assert "layers 3-3 cosine" in {f.name for f in figures if not f.passed}
+
+
+@pytest.mark.slow
+def test_a_quantized_model_against_its_source_passes_dynamic_and_fails_static(tmp_path, default_model_dir):
+    """`verify --reference`: W8A8 dynamic costs the default model what its scheme's tolerance allows; static W8A8,
+    with one scale per layer for SmolLM2's outlier activations, costs more, and verify says so."""
+    from backend.quantize import quantize_checkpoint
+    from backend.verify import verify
+
+    dynamic = quantize_checkpoint(str(default_model_dir), tmp_path / "dynamic", "w8a8_dynamic")
+    run = subprocess.run([sys.executable, "-m", "backend.cli", "verify", "--model", str(dynamic), "--reference",
+                          str(default_model_dir), "--device", "cpu", "--dtype", "bfloat16", "--steps", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"in bfloat16, w8a8_dynamic (eager) against {default_model_dir.name} on the CPU" in run.stdout
+
+    static = quantize_checkpoint(str(default_model_dir), tmp_path / "static", "w8a8")
+    _, figures = verify(EngineConfig(model=str(static), device="cpu", dtype="bfloat16"), steps=8,
+                        reference=str(default_model_dir))
+    assert {"logits cosine", "logits top-1 agreement"} <= {f.name for f in figures if not f.passed}
