@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -228,6 +229,24 @@ def add_mtp_layer(model_dir, layer_scale: float = 0.01):
     weights[mtp + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
     save_file(weights, path, metadata={"format": "pt"})
     return model_dir
+
+
+def rewrite_checkpoint(model_dir, tmp_path, change_tensors=None, change_config=None):
+    """A copy of a one-file checkpoint ("bad", under tmp_path) with its tensors and its config.json changed in place
+    by the given functions."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    if change_tensors:
+        tensors = load_file(bad / "model.safetensors")
+        change_tensors(tensors)
+        save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    if change_config:
+        config = json.loads((bad / "config.json").read_text())
+        change_config(config)
+        (bad / "config.json").write_text(json.dumps(config))
+    return bad
 
 
 def hf_model(path):

@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from backend import LLM, SamplingParams
 from backend.models.loader import ModelLoadError, load_model
 from npu_llm_kernels import cpu, ops_for, torch_ref
-from tests.conftest import hf_model, make_tiny_model
+from tests.conftest import hf_model, make_tiny_model, rewrite_checkpoint
 from tests.test_model_parity import _check_against_hf
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "glm4_moe"]
@@ -64,20 +64,6 @@ def test_stacked_expert_layout_loads_as_the_per_expert_one(arch, tmp_path):
     assert torch.equal(_prompt_logits(sharded), expected)
 
 
-def _rewrite(model_dir, tmp_path, change_tensors=None, change_config=None):
-    bad = tmp_path / "bad"
-    shutil.copytree(model_dir, bad)
-    if change_tensors:
-        tensors = load_file(bad / "model.safetensors")
-        change_tensors(tensors)
-        save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
-    if change_config:
-        config = json.loads((bad / "config.json").read_text())
-        change_config(config)
-        (bad / "config.json").write_text(json.dumps(config))
-    return bad
-
-
 def test_bad_moe_checkpoints_fail_the_load_naming_what_is_wrong(glm_dir, tmp_path):
     def load(bad, **kwargs):
         with pytest.raises(ModelLoadError) as failed:
@@ -86,17 +72,17 @@ def test_bad_moe_checkpoints_fail_the_load_naming_what_is_wrong(glm_dir, tmp_pat
         return str(failed.value)
 
     key = "model.layers.1.mlp.experts.3.up_proj.weight"
-    assert "model.layers.1.mlp.experts (expert 3 up)" in load(_rewrite(glm_dir, tmp_path, lambda t: t.pop(key)))
-    message = load(_rewrite(glm_dir, tmp_path, lambda t: t.update({key: t[key][:-1]})))
+    assert "model.layers.1.mlp.experts (expert 3 up)" in load(rewrite_checkpoint(glm_dir, tmp_path, lambda t: t.pop(key)))
+    message = load(rewrite_checkpoint(glm_dir, tmp_path, lambda t: t.update({key: t[key][:-1]})))
     assert key in message and "shape (31, 64)" in message
-    message = load(_rewrite(glm_dir, tmp_path, change_config=lambda c: c.update(num_experts_per_tok=9)))
+    message = load(rewrite_checkpoint(glm_dir, tmp_path, change_config=lambda c: c.update(num_experts_per_tok=9)))
     assert "num_experts_per_tok=9" in message and "8 experts" in message
-    message = load(_rewrite(glm_dir, tmp_path, change_config=lambda c: c.update(n_group=3)))
+    message = load(rewrite_checkpoint(glm_dir, tmp_path, change_config=lambda c: c.update(n_group=3)))
     assert "n_group=3 must divide the 8 experts" in message
     from backend.distributed import TensorParallel
 
     six_experts = dict(n_routed_experts=6, n_group=2, topk_group=1)
-    message = load(_rewrite(glm_dir, tmp_path, change_config=lambda c: c.update(six_experts)),
+    message = load(rewrite_checkpoint(glm_dir, tmp_path, change_config=lambda c: c.update(six_experts)),
                    tp=TensorParallel(0, 4), expert_parallel=True)
     assert "tensor_parallel_size=4 must divide the experts (expert parallel) (6)" in message
 
@@ -104,7 +90,7 @@ def test_bad_moe_checkpoints_fail_the_load_naming_what_is_wrong(glm_dir, tmp_pat
 def test_a_multi_token_prediction_layer_in_the_checkpoint_is_skipped(glm_dir, tmp_path):
     """GLM-4.5's checkpoints carry layer num_hidden_layers (its MTP layer, for speculative decoding)."""
     extra = "model.layers.3.mlp.gate.weight"
-    with_mtp = _rewrite(glm_dir, tmp_path, lambda t: t.update({extra: t["model.layers.1.mlp.gate.weight"].clone()}),
+    with_mtp = rewrite_checkpoint(glm_dir, tmp_path, lambda t: t.update({extra: t["model.layers.1.mlp.gate.weight"].clone()}),
                         lambda c: c.update(num_nextn_predict_layers=1))
     assert torch.equal(_prompt_logits(with_mtp), _prompt_logits(glm_dir))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from backend import LLM, SamplingParams
 from backend.cli import main as cli_main
@@ -17,7 +17,7 @@ from backend.models.loader import ModelLoadError, load_model
 from backend.quantize import quantize_checkpoint
 from backend.triton.model_json import parse_model_json
 from npu_llm_kernels import cpu, ops_for, torch_ref
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, rewrite_checkpoint
 from tests.test_model_parity import _check_against_hf, _prompt_logits
 from tests.test_tensor_parallel import STEPS, _generate
 
@@ -138,23 +138,6 @@ def test_two_ranks_serve_a_static_checkpoint_as_one(source, tmp_path, default_mo
 # -- bad checkpoints and settings --------------------------------------------------------------------------------
 
 
-def _edit(folder, tmp_path, weights=None, config=None):
-    """A copy of a checkpoint with its tensors and config.json edited."""
-    import shutil
-
-    copy = tmp_path / "edited"
-    shutil.copytree(folder, copy)
-    if weights:
-        tensors = load_file(copy / "model.safetensors")
-        weights(tensors)
-        save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
-    if config:
-        values = json.loads((copy / "config.json").read_text())
-        config(values["quantization_config"])
-        (copy / "config.json").write_text(json.dumps(values))
-    return copy
-
-
 Q = "model.layers.1.self_attn.q_proj."
 
 
@@ -170,7 +153,7 @@ Q = "model.layers.1.self_attn.q_proj."
 def test_a_checkpoint_that_contradicts_its_config_fails_naming_the_tensor(source, tmp_path, edit, message):
     out = quantize_checkpoint(str(source), tmp_path / "dyn", "w8a8_dynamic")
     with pytest.raises(ModelLoadError, match=message):
-        load_model(_edit(out, tmp_path, weights=edit), ops_for("cpu"), dtype="float32")
+        load_model(rewrite_checkpoint(out, tmp_path, edit), ops_for("cpu"), dtype="float32")
 
 
 def _weights(group):
@@ -194,7 +177,8 @@ def _weights(group):
 def test_a_scheme_npu_llm_does_not_run_fails_the_load_naming_it(source, tmp_path, edit, message):
     out = quantize_checkpoint(str(source), tmp_path / "dyn", "w8a8_dynamic")
     with pytest.raises(ModelLoadError, match=message):
-        load_model(_edit(out, tmp_path, config=edit), ops_for("cpu"), dtype="float32")
+        load_model(rewrite_checkpoint(out, tmp_path, change_config=lambda c: edit(c["quantization_config"])),
+                   ops_for("cpu"), dtype="float32")
 
 
 def test_int8_weights_without_a_quantization_config_are_refused(source, tmp_path):

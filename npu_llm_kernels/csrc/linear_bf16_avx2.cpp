@@ -7,16 +7,12 @@
 // activations (M rows of K fp32 values) sit in L1 for the whole stripe. Semantics: F.linear of bf16 tensors,
 // rounded to bf16 once, as a bf16 GEMM rounds (summation order aside).
 #include "ops.h"
+#include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace {
-
-inline __m256 load_bf16x8(const at::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

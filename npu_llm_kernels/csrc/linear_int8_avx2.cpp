@@ -10,6 +10,7 @@
 // Work: stripes of NB output features are spread over the threads; inside a stripe (its weights stay in L2), each
 // group of up to 4 rows of x (in L1, as int16) meets NT weight rows at a time, into NT x M int32 accumulators.
 #include "ops.h"
+#include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -21,10 +22,7 @@ constexpr int64_t NB = 64;     // output features a stripe
 
 inline __m256 load_as_float(const float* p) { return _mm256_loadu_ps(p); }
 
-inline __m256 load_as_float(const at::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
+inline __m256 load_as_float(const at::BFloat16* p) { return load_bf16x8(p); }
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

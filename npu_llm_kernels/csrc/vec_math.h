@@ -44,6 +44,16 @@ inline void softmax_in_place(float* s, int64_t n) {
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// 8 bf16 values (their raw bits) as fp32: bf16 is fp32's upper half.
+inline __m256 load_bf16x8(const void* p) {
+  const __m128i bits = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
