@@ -107,6 +107,8 @@ def _calibrate(model: nn.Module, tokenizer_dir, texts: list[str], max_tokens: in
 
     tokenizer = load_tokenizer(tokenizer_dir)
     ids = [t for text in texts for t in tokenizer.encode(text)][:max_tokens]
+    if not ids:
+        raise ValueError("no calibration tokens: give --calibration-tokens > 0 and text that tokenizes to some")
     absmax: dict[str, torch.Tensor] = {}
 
     def observe(name):
@@ -124,6 +126,10 @@ def _calibrate(model: nn.Module, tokenizer_dir, texts: list[str], max_tokens: in
     finally:
         for hook in hooks:
             hook.remove()
+    unseen = [name for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and name != "lm_head" and name not in absmax]
+    if unseen:
+        raise ValueError(f"calibration never ran {', '.join(unseen[:3])}: no static scale for it")
     log.info("calibrated on %d tokens", len(ids))
     return absmax
 

@@ -14,7 +14,7 @@ Each figure passes or fails against the tolerance of the device's dtype (TOLERAN
 
 With --reference, the reference is another model: a quantized checkpoint against the unquantized model it was made
 from (`npu-llm quantize`), on the same prompts; the tolerance is then the quantization scheme's
-(QUANTIZED; docs/quantization.md). A quantized model is held to its scheme's tolerance against itself in fp32 too.
+(QUANTIZED; docs/quantization.md). Without it a quantized model is held to QUANTIZED_AGAINST_ITSELF.
 Of the engine flags, --model, --tokenizer, --device, --dtype, --block-size and --no-enforce-eager
 (decode steps replayed from captured graphs) apply; one sequence runs at a time.
 """
@@ -61,13 +61,15 @@ TOLERANCES = {
 }
 
 
-# A quantized model on the device, in its dtype, against its unquantized source in fp32 (--reference), or against
-# itself in fp32: a rounding difference moves an activation across a quantization step, so the dtype's tolerance is
-# too tight even for the second. The figures are what W8A8 dynamic costs the default model on the CPU in bf16 against
-# its source, with margin (docs/quantization.md). Static W8A8 is held to the same: a static checkpoint that fails them
-# loses more than dynamic quantization would.
+# A quantized model on the device, in its dtype, against its unquantized source in fp32 (--reference): what W8A8
+# dynamic costs the default model on the CPU in bf16, with margin (docs/quantization.md). Static W8A8 is held to the
+# same: a static checkpoint that fails them loses more than dynamic quantization would.
 _W8A8 = Tolerance(cosine=0.95, relative_error=0.5, top1=0.75, greedy=0.1)
 QUANTIZED = {"w8a8_dynamic": _W8A8, "w8a8": _W8A8}
+# A quantized model against itself in fp32: a rounding difference moves an activation across a quantization step, so
+# the dtype's tolerance is too tight; measured on the default model's W8A8 in bf16 on the CPU (logits cosine 0.993,
+# largest error 0.15 of the largest logit, top-1 0.92, greedy 0.39), with margin.
+QUANTIZED_AGAINST_ITSELF = Tolerance(cosine=0.985, relative_error=0.3, top1=0.85, greedy=0.25)
 
 
 @dataclass
@@ -150,7 +152,10 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS,
     model, _, _ = load_model(model_dir, ops_for(platform.name), platform.device, config.dtype, max_len,
                              quantization=config.quantization)
     reference_dir = resolve_model(reference) if reference else model_dir
-    reference_model, _, _ = load_model(reference_dir, torch_ref, "cpu", "float32", max_len)
+    reference_model, reference_config, _ = load_model(reference_dir, torch_ref, "cpu", "float32", max_len)
+    if reference_config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"--reference {reference_dir}: its vocabulary ({reference_config.vocab_size}) is not the "
+                         f"model's ({model.config.vocab_size}); compare a quantized model with its own source")
     device = _Side(model, platform.device, config.block_size, max_len)
     cpu = _Side(reference_model, torch.device("cpu"), config.block_size, max_len)
     if not config.enforce_eager:  # the device's decode steps replay captured graphs
@@ -190,7 +195,10 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS,
         greedy.append(agreed / steps)
 
     scheme = next((m.scheme.name for m in model.modules() if getattr(m, "scheme", None)), None)
-    tolerance = QUANTIZED[scheme] if scheme else TOLERANCES[model.dtype]
+    if scheme is None:
+        tolerance = TOLERANCES[model.dtype]
+    else:
+        tolerance = QUANTIZED[scheme] if reference else QUANTIZED_AGAINST_ITSELF
     figures = []
     for g, layers in enumerate(groups):
         ours, theirs = torch.cat(hidden[g][0]), torch.cat(hidden[g][1])

@@ -148,8 +148,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     With AVX512-VNNI: oneDNN's int8 GEMM (torch._int_mm, int32 accumulators) on activations quantized by torch_ref.
     Without it oneDNN's int8 GEMM is not used: it multiplies through 16-bit intermediates that saturate on full-range
     int8 weights (measured on an AVX2 EPYC: errors of 2.3 on outputs of 14; exact with |w| <= 63). There
-    csrc/linear_int8_avx2.cpp quantizes the activations and multiplies in 16 bits with 32-bit sums. Elsewhere
-    (no extension, or K not a multiple of 16): torch_ref.
+    csrc/linear_int8_avx2.cpp quantizes the activations (fp32 or bf16) and multiplies in 16 bits with 32-bit sums.
+    Elsewhere (no extension, K not a multiple of 16, fp16): torch_ref.
     """
     features, ext = cpu_features(), _extension()
     if features.vnni and _enabled():
@@ -158,7 +158,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-    if ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0:
+    if ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
+            x.dtype in (torch.float32, torch.bfloat16):
         return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias)
     return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias)
 

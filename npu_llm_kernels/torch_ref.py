@@ -47,9 +47,10 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x w^T (+ bias) for int8 weights [N, K] with per-channel scales [N, 1], x quantized to int8 first: per token
-    (input_scale None) or with the static input_scale [1]. The int8 products are summed exactly in fp32 (up to 2^24),
+    (input_scale None) or with the static input_scale [1]. The int8 products are summed exactly in fp32 (while the
+    partial sums stay below 2^24; to fp32's rounding beyond),
     then scaled: what an int8 GEMM with int32 accumulators gives. Here the weights are converted per call (the
-    portable path: CUDA, and fp32 models on the CPU)."""
+    portable path: CUDA, and the CPU where its kernels do not apply)."""
     q, scale = quantize_int8(x.reshape(-1, x.shape[-1]), input_scale)
     y = F.linear(q, weight.float()) * scale * weight_scale.view(1, -1).float()
     if bias is not None:

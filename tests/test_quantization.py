@@ -106,6 +106,22 @@ def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, cpu_lev
         assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max(), (rows, k, n)
 
 
+def test_the_cpu_int8_kernels_round_ties_to_even_keep_nan_and_leave_fp16_to_torch_ref(cpu_level):
+    """Values exactly halfway between two int8 steps round to even, as compressed-tensors' torch.round does; a NaN in
+    a row makes that row's outputs NaN (and only that row's); fp16 activations take torch_ref."""
+    weight, weight_scale = torch.eye(32, dtype=torch.int8), torch.ones(32, 1)
+    halves = torch.arange(32, dtype=torch.float32) - 15.5  # -15.5 .. 15.5 in steps of one: every value a tie
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.stack([halves, halves.flip(0)]).to(dtype)
+        got = cpu.int8_linear(x, weight, weight_scale, torch.ones(1))
+        assert got.dtype == dtype and torch.equal(got.float(), torch.round(x.float()))
+        assert got[0, 0] == -16 and got[0, 1] == -14 and got[0, 31] == 16
+    x = torch.randn(3, 32)
+    x[1, 5] = float("nan")
+    got = cpu.int8_linear(x, weight, weight_scale, None)
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
+
+
 def test_a_bfloat16_engine_serves_the_checkpoint_close_to_fp32(quantized, default_model_dir):
     """Through the engine in bf16 (the CPU's int8 kernels), with chunked prefill: every KV block returns to the pool,
     and each prompt's first greedy token is among fp32's five most likely (this tiny random model's logits lie too
@@ -181,6 +197,40 @@ def test_a_scheme_npu_llm_does_not_run_fails_the_load_naming_it(source, tmp_path
                    ops_for("cpu"), dtype="float32")
 
 
+def test_a_zero_input_scale_fails_the_load_and_zero_points_of_zero_are_ignored(source, tmp_path, default_model_dir):
+    out = quantize_checkpoint(str(source), tmp_path / "static", "w8a8", tokenizer=default_model_dir)
+
+    def zero_scale(tensors):
+        tensors["model.layers.0.mlp.down_proj.input_scale"] = torch.zeros(1)
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.down_proj: input_scale must be finite and positive"):
+        load_model(rewrite_checkpoint(out, tmp_path / "zero-scale", zero_scale), ops_for("cpu"), dtype="float32")
+
+    def zero_points(tensors):  # as older compressed-tensors versions wrote them for symmetric schemes
+        for name in [n for n in tensors if n.endswith("weight_scale")]:
+            tensors[name.replace("weight_scale", "weight_zero_point")] = torch.zeros_like(tensors[name], dtype=torch.int8)
+    model, _, _ = load_model(rewrite_checkpoint(out, tmp_path / "zero-points", zero_points), ops_for("cpu"),
+                             dtype="float32")
+    assert model.model.layers[0].mlp.down_proj.scheme.name == "w8a8"
+
+
+def test_a_group_that_names_a_layer_wins_over_one_that_names_its_class(source, tmp_path):
+    """As vLLM matches them: group_0 makes every Linear W8A8 dynamic, group_1 the down projections static."""
+    out = quantize_checkpoint(str(source), tmp_path / "dyn", "w8a8_dynamic")
+
+    def static_down(config):
+        groups = config["quantization_config"]["config_groups"]
+        groups["group_1"] = {**groups["group_0"], "targets": ["re:.*down_proj$"], "input_activations": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}}
+
+    def input_scales(tensors):
+        for layer in range(2):
+            tensors[f"model.layers.{layer}.mlp.down_proj.input_scale"] = torch.full((1,), 0.05)
+    model, _, _ = load_model(rewrite_checkpoint(out, tmp_path, input_scales, static_down), ops_for("cpu"),
+                             dtype="float32")
+    assert model.model.layers[1].mlp.down_proj.scheme.name == "w8a8"
+    assert model.model.layers[1].mlp.gate_up_proj.scheme.name == "w8a8_dynamic"
+
+
 def test_int8_weights_without_a_quantization_config_are_refused(source, tmp_path):
     out = quantize_checkpoint(str(source), tmp_path / "dyn", "w8a8_dynamic")
     config = json.loads((out / "config.json").read_text())
@@ -220,10 +270,12 @@ def test_model_json_takes_vllms_quantization_values_and_refuses_others():
         parse_model_json({"quantization": "awq"})
 
 
-def test_quantize_refuses_an_unknown_scheme_and_a_bad_calibration_file(source, tmp_path):
+def test_quantize_refuses_an_unknown_scheme_and_a_bad_calibration_file(source, tmp_path, default_model_dir):
     with pytest.raises(ValueError, match="scheme 'w4a16'"):
         quantize_checkpoint(str(source), tmp_path / "a", "w4a16")
     bad = tmp_path / "calibration.jsonl"
     bad.write_text('{"text": "fine"}\n{"prompt": "no text"}\n')
     with pytest.raises(ValueError, match='calibration.jsonl:2: expected an object with a "text" string'):
         quantize_checkpoint(str(source), tmp_path / "b", "w8a8", calibration=bad)
+    with pytest.raises(ValueError, match="no calibration tokens"):
+        quantize_checkpoint(str(source), tmp_path / "c", "w8a8", max_calibration_tokens=0, tokenizer=default_model_dir)

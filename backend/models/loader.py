@@ -16,7 +16,8 @@ from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.mtp import attach_mtp
 from backend.models.quantization import (
-    CompressedTensors, UnsupportedQuantization, check_loaded_dtype, quantization_of, quantize_layers,
+    SYMMETRIC_ZERO_POINTS, CompressedTensors, UnsupportedQuantization, check_loaded_dtype, check_scales,
+    quantization_of, quantize_layers,
 )
 from backend.models.registry import resolve_model
 
@@ -128,6 +129,11 @@ def load_model(
         router.float()
     module = module.to_empty(device=device)
     _load_weights(module, _checkpoint_files(model_dir))
+    if quant is not None:
+        try:
+            check_scales(module)
+        except UnsupportedQuantization as e:
+            raise ModelLoadError(f"{model_dir}: {e}") from e
     module.pack_weights()
     module.init_expert_load()
     module.init_rope(max_model_len or max_model_len_of(config))
@@ -211,6 +217,8 @@ def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path:
     if "rotary_emb.inv_freq" in key:
         return
     if key == "lm_head.weight" and module.tie_word_embeddings:
+        return
+    if key.endswith(SYMMETRIC_ZERO_POINTS) and not tensor.any():
         return
     target, rows = key, slice(None)
     for part, (fused, shard) in module.stacked_params.items():

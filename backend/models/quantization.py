@@ -47,6 +47,10 @@ class UnsupportedQuantization(ValueError):
     pass
 
 
+# Zero points older compressed-tensors versions wrote for symmetric schemes too: all zero, they change nothing.
+SYMMETRIC_ZERO_POINTS = (".weight_zero_point", ".input_zero_point")
+
+
 @dataclass
 class CompressedTensors:
     """A compressed-tensors quantization_config: its config groups, each (targets, scheme), and what it ignores."""
@@ -57,11 +61,17 @@ class CompressedTensors:
     def scheme_for(self, name: str, module: nn.Module) -> Int8Scheme | None:
         """The scheme of the checkpoint layer `name` (a module of ours named as the checkpoint names it), or None where
         the layer is stored unquantized. Targets and ignore entries match as compressed-tensors matches them: a class
-        name ("Linear"), an exact layer name, or "re:" and a regular expression."""
-        from compressed_tensors.utils.match import is_match
+        name ("Linear"), an exact layer name, or "re:" and a regular expression. A group that names the layer (or
+        matches it by expression) wins over one that names its class, as in vLLM."""
+        from compressed_tensors.utils.match import is_match, match_name
 
+        if self.ignore and is_match(name, module, self.ignore):
+            return None
         for targets, scheme in self.groups:
-            if is_match(name, module, targets, self.ignore):
+            if any(match_name(name, target) for target in targets):
+                return scheme
+        for targets, scheme in self.groups:
+            if is_match(name, module, targets):
                 return scheme
         return None
 
@@ -178,6 +188,18 @@ def _fused_parts(stacked_params: dict[str, tuple[str, int]]) -> dict[str, list[s
     for part, (name, index) in sorted(stacked_params.items(), key=lambda item: item[1]):
         fused.setdefault(name, []).append(part)
     return fused
+
+
+def check_scales(model: nn.Module) -> None:
+    """After loading: every scale finite, input scales positive (a zero or NaN scale serves garbage, silently)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.scheme is not None:
+            if not torch.isfinite(module.weight_scale).all():
+                raise UnsupportedQuantization(f"{name}: weight_scale holds a value that is not finite")
+            if module.input_scale is not None and not (torch.isfinite(module.input_scale).all()
+                                                       and (module.input_scale > 0).all()):
+                raise UnsupportedQuantization(f"{name}: input_scale must be finite and positive, got "
+                                              f"{module.input_scale.tolist()}")
 
 
 def check_loaded_dtype(param: torch.Tensor, tensor: torch.Tensor, key: str, path: Path) -> None:

@@ -15,6 +15,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <limits>
+
 namespace {
 
 constexpr int64_t KSTEP = 16;  // int16 lanes of a 256-bit vector
@@ -38,7 +40,8 @@ inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// One row of x as int16 values of int8 range into q; returns its scale (the static one, or absmax / 127.5).
+// One row of x as int16 values of int8 range into q; returns its scale (the static one, or absmax / 127.5), or NaN
+// where x / scale is NaN somewhere (a NaN in x, or an infinite absmax): the row's outputs are then NaN, as torch_ref's.
 template <typename T>
 float quantize_row(const T* x, int64_t k, float static_scale, int16_t* q) {
   float scale = static_scale;
@@ -50,10 +53,12 @@ float quantize_row(const T* x, int64_t k, float static_scale, int16_t* q) {
     if (scale == 0.f) scale = 1.1920928955078125e-07f;  // an all-zero row stays zero (torch_ref: fp32 eps)
   }
   const __m256 vscale = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+  __m256 unordered = _mm256_setzero_ps();  // max and min below would turn a NaN into a bound
   for (int64_t c = 0; c < k; c += 16) {
     __m256i halves[2];
     for (int h = 0; h < 2; ++h) {
       __m256 v = _mm256_div_ps(load_as_float(x + c + 8 * h), vscale);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // half to even, as torch.round
       halves[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
     }
@@ -61,7 +66,7 @@ float quantize_row(const T* x, int64_t k, float static_scale, int16_t* q) {
     const __m256i packed = _mm256_packs_epi32(halves[0], halves[1]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
   }
-  return scale;
+  return _mm256_movemask_ps(unordered) ? std::numeric_limits<float>::quiet_NaN() : scale;
 }
 
 // acc[m][j] = q_x[m] . w[n0 + j] over k, for M rows of q_x (row stride k) and NT weight rows.
@@ -134,13 +139,17 @@ at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, co
                                const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(), "weight: int8 [N, K]");
+  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && weight_scale.is_cpu(), "CPU tensors only");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(-1) == k && k % KSTEP == 0, "x [.., K] with K a multiple of 16");
+  TORCH_CHECK(weight_scale.numel() == n, "weight_scale: one scale per output feature");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "bias: one value per output feature");
+  TORCH_CHECK(!input_scale.has_value() || input_scale->numel() == 1, "input_scale: one value");
   const at::Tensor scales = weight_scale.to(at::kFloat).contiguous().reshape({n});
   const at::Tensor flat = x.reshape({-1, k}).contiguous();
   const int64_t m = flat.size(0);
   const float static_scale = input_scale.has_value() ? input_scale->to(at::kFloat).item<float>() : 0.f;
-  TORCH_CHECK(!input_scale.has_value() || static_scale > 0.f, "input_scale must be positive");
+  TORCH_CHECK(!input_scale.has_value() || static_scale > 0.f, "input_scale must be positive");  // (checked at load)
   std::optional<at::Tensor> fp32_bias;
   if (bias.has_value()) fp32_bias = bias->to(at::kFloat).contiguous();
   at::Tensor out = at::empty({m, n}, flat.options().dtype(at::kFloat));
