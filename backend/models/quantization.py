@@ -33,11 +33,6 @@ class Int8Scheme:
     name: str  # what the docs and the start-up log call it
     dynamic: bool  # True: a scale per token, computed each step; False: the checkpoint's input_scale
 
-    @property
-    def tensors(self) -> tuple[str, ...]:
-        """The checkpoint tensors each quantized layer (and each part of a fused one) carries."""
-        return ("weight", "weight_scale") if self.dynamic else ("weight", "weight_scale", "input_scale")
-
 
 W8A8_DYNAMIC = Int8Scheme("w8a8_dynamic", dynamic=True)
 W8A8_STATIC = Int8Scheme("w8a8", dynamic=False)
