@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backend.models.loader import load_config, stored_dtype_of
 from backend.models.registry import resolve_model
 
 log = logging.getLogger(__name__)
@@ -54,18 +55,17 @@ def quantize_checkpoint(model: str, out: str | Path, scheme: str, calibration: s
     `tokenizer` (default: the model's own)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = quantization_config(scheme)
     texts = None if scheme == "w8a8_dynamic" else calibration_texts(calibration)
     model_dir, out = resolve_model(model), Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out}: exists and is not empty")
-    stored = AutoConfig.from_pretrained(str(model_dir))
+    stored = load_config(model_dir)
     if getattr(stored, "quantization_config", None):
         raise ValueError(f"{model_dir}: already quantized")
-    stored_dtype = getattr(stored, "dtype", None) or getattr(stored, "torch_dtype", None) or torch.float32
-    stored_dtype = getattr(torch, stored_dtype) if isinstance(stored_dtype, str) else stored_dtype
+    stored_dtype = stored_dtype_of(stored) or torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()  # scales computed in fp32
     input_absmax = None if texts is None else _calibrate(hf, tokenizer or model_dir, texts, max_calibration_tokens)
     apply_quantization_config(hf, config)

@@ -153,15 +153,15 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """
     features, ext = cpu_features(), _extension()
     if features.vnni and _enabled():
-        q, scale = torch_ref.quantize_int8(x.reshape(-1, x.shape[-1]), input_scale)
-        y = torch._int_mm(q.to(torch.int8), weight.t()).float() * scale * weight_scale.view(1, -1)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, int8_matmul=_onednn_int8_matmul)
     if ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
             x.dtype in (torch.float32, torch.bfloat16):
         return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias)
     return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias)
+
+
+def _onednn_int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch._int_mm(q.to(torch.int8), weight.t()).float()
 
 
 def _avx2_linear():

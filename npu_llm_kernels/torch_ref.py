@@ -45,14 +45,16 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, int8_matmul=None) -> torch.Tensor:
     """y = x w^T (+ bias) for int8 weights [N, K] with per-channel scales [N, 1], x quantized to int8 first: per token
     (input_scale None) or with the static input_scale [1]. The int8 products are summed exactly in fp32 (while the
     partial sums stay below 2^24; to fp32's rounding beyond),
     then scaled: what an int8 GEMM with int32 accumulators gives. Here the weights are converted per call (the
-    portable path: CUDA, and the CPU where its kernels do not apply)."""
+    portable path: CUDA, and the CPU where its kernels do not apply). `int8_matmul(q, weight)`, where given, sums
+    q [T, K] (int8 values in fp32) times weight^T in a kernel of its own, into fp32 [T, N]."""
     q, scale = quantize_int8(x.reshape(-1, x.shape[-1]), input_scale)
-    y = F.linear(q, weight.float()) * scale * weight_scale.view(1, -1).float()
+    products = F.linear(q, weight.float()) if int8_matmul is None else int8_matmul(q, weight)
+    y = products * scale * weight_scale.view(1, -1).float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -50,6 +50,12 @@ def load_config(model_dir: Path):
     return config
 
 
+def stored_dtype_of(config) -> torch.dtype | None:
+    """The dtype a Hugging Face config says its weights are stored in (transformers 5 names it dtype, 4 torch_dtype)."""
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return getattr(torch, stored) if isinstance(stored, str) else stored
+
+
 def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
     """`auto` follows vLLM: a half-precision checkpoint keeps its dtype, fp32 runs in bf16; CPUs get bf16 for fp16."""
     if isinstance(dtype, torch.dtype):
@@ -60,8 +66,7 @@ def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> tor
         if dtype == "float32" and device.type == "npu":
             raise ValueError("dtype=float32: the NPU paged-attention kernels run float16 and bfloat16 only")
         return DTYPES[dtype]
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if stored in (torch.float16, "float16") and device.type != "cpu":
+    if stored_dtype_of(config) == torch.float16 and device.type != "cpu":
         return torch.float16
     return torch.bfloat16
 
