@@ -95,8 +95,8 @@ def _cmd_quantize(args) -> int:
     from backend.quantize import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, args.scheme, args.calibration, args.calibration_tokens,
-                              args.tokenizer)
-    print(f"{args.scheme} checkpoint written to {out}")
+                              args.tokenizer, args.format)
+    print(f"{args.scheme} checkpoint ({args.format}) written to {out}")
     return 0
 
 
@@ -195,13 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compare with this model instead (a quantized model's unquantized source)")
     verify.set_defaults(func=_cmd_verify)
 
-    quantize = commands.add_parser("quantize", help="write a W8A8 (compressed-tensors) checkpoint of a model")
+    quantize = commands.add_parser("quantize", help="write a W8A8 checkpoint of a model (compressed-tensors or "
+                                                    "msModelSlim)")
     quantize.add_argument("--model", default=DEFAULT_MODEL, help="an unquantized model folder, GGUF file or name")
     quantize.add_argument("--out", required=True, help="the folder to write (new or empty)")
     quantize.add_argument("--scheme", choices=("w8a8_dynamic", "w8a8"), default="w8a8_dynamic",
                           help="activations quantized per token as the model runs, or with calibrated static scales")
-    quantize.add_argument("--format", choices=("compressed-tensors",), default="compressed-tensors",
-                          help="the checkpoint format (msModelSlim's `ascend` is not written yet)")
+    quantize.add_argument("--format", choices=("compressed-tensors", "ascend"), default="compressed-tensors",
+                          help="compressed-tensors (llm-compressor's; served with no flag) or ascend (msModelSlim's; "
+                               "served with quantization=ascend)")
     quantize.add_argument("--calibration", metavar="FILE.jsonl", default=None,
                           help='calibration text for static scales, one {"text": ...} a line (default: shipped text)')
     quantize.add_argument("--calibration-tokens", type=int, default=512, help="tokens of it to run")

@@ -48,7 +48,7 @@ class EngineConfig:
     # checkpoint's multi-token-prediction layer (docs/models.md); None: no speculative decoding
     speculative_config: dict | None = None
     # vLLM's: None reads the checkpoint's own quantization_config (compressed-tensors W8A8 is served,
-    # docs/quantization.md); "compressed-tensors" insists on it; "ascend" (msModelSlim) is refused for now
+    # docs/quantization.md); "compressed-tensors" insists on it; "ascend" reads an msModelSlim checkpoint
     quantization: str | None = None
 
     def __post_init__(self):

@@ -65,7 +65,7 @@ TOLERANCES = {
 # dynamic costs the default model on the CPU in bf16, with margin (docs/quantization.md). Static W8A8 is held to the
 # same: a static checkpoint that fails them loses more than dynamic quantization would.
 _W8A8 = Tolerance(cosine=0.95, relative_error=0.5, top1=0.75, greedy=0.1)
-QUANTIZED = {"w8a8_dynamic": _W8A8, "w8a8": _W8A8}
+QUANTIZED = {"w8a8_dynamic": _W8A8, "w8a8": _W8A8, "W8A8_DYNAMIC": _W8A8, "W8A8": _W8A8}  # (msModelSlim's names)
 # A quantized model against itself in fp32: a rounding difference moves an activation across a quantization step, so
 # the dtype's tolerance is too tight; measured on the default model's W8A8 in bf16 on the CPU (logits cosine 0.993,
 # largest error 0.15 of the largest logit, top-1 0.92, greedy 0.39), with margin.
@@ -152,7 +152,8 @@ def verify(config: EngineConfig, steps: int = 32, prompts: list[str] = PROMPTS,
     model, _, _ = load_model(model_dir, ops_for(platform.name), platform.device, config.dtype, max_len,
                              quantization=config.quantization)
     reference_dir = resolve_model(reference) if reference else model_dir
-    reference_model, reference_config, _ = load_model(reference_dir, torch_ref, "cpu", "float32", max_len)
+    reference_model, reference_config, _ = load_model(reference_dir, torch_ref, "cpu", "float32", max_len,
+                                                      quantization=None if reference else config.quantization)
     if reference_config.vocab_size != model.config.vocab_size:
         raise ValueError(f"--reference {reference_dir}: its vocabulary ({reference_config.vocab_size}) is not the "
                          f"model's ({model.config.vocab_size}); compare a quantized model with its own source")

@@ -142,7 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, input_offset: torch.Tensor | None = None) -> torch.Tensor:
     """torch_ref.int8_linear's W8A8 matmul, with the weights int8 in memory and the int8 products summed exactly.
 
     With AVX512-VNNI: oneDNN's int8 GEMM (torch._int_mm, int32 accumulators) on activations quantized by torch_ref.
@@ -153,11 +153,12 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """
     features, ext = cpu_features(), _extension()
     if features.vnni and _enabled():
-        return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, int8_matmul=_onednn_int8_matmul)
+        return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset,
+                                     int8_matmul=_onednn_int8_matmul)
     if ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
             x.dtype in (torch.float32, torch.bfloat16):
-        return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias)
-    return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias)
+        return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias, input_offset)
+    return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset)
 
 
 def _onednn_int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,11 @@ input_scale * weight_scale for compressed-tensors checkpoints.
   maybe_trans_nz, which converts int8 weights by default).
 - Dynamic: `npu_dynamic_quant(x, dst_type=torch.int8)` gives int8 rows and their fp32 scales (absmax / 127), then
   `npu_quant_matmul(x, w, weight_scale, pertoken_scale=..., bias=..., output_dtype=x.dtype)`.
-- Static: `npu_quantize(x, 1 / input_scale (per column), zero offsets, torch.qint8, -1, False)`, then
-  `npu_quant_matmul(x, w, input_scale * weight_scale, bias=..., output_dtype=x.dtype)`.
+- Static: `npu_quantize(x, 1 / input_scale (per column), input_offset (per column; zero for compressed-tensors),
+  torch.qint8, -1, False)`, then `npu_quant_matmul(x, w, input_scale * weight_scale, bias=..., output_dtype=x.dtype)`.
+  An msModelSlim layer's deq_scale and quant_bias arrive here folded (backend/models/quantization.py): its
+  weight_scale is deq_scale / input_scale and its bias quant_bias * deq_scale, so the op gets deq_scale back
+  (to fp32's rounding) and a float bias where vllm-ascend passes the int32 quant_bias.
 
 The scales go as fp32: npu_quant_matmul's table of supported combinations takes an fp32 scale for bf16 and fp16
 outputs alike (vllm-ascend passes a bf16 weight_scale for bf16 models, which the table also allows).
@@ -29,7 +32,7 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, input_offset: torch.Tensor | None = None) -> torch.Tensor:
     """torch_ref.int8_linear on the NPU; `weight` as pack_int8_weight left it ([K, N])."""
     flat = x.reshape(-1, x.shape[-1])
     scale = weight_scale.reshape(-1).float()
@@ -41,7 +44,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     else:
         k = flat.shape[-1]
         reciprocal = (1.0 / input_scale.float()).to(x.dtype).repeat(k)
-        offset = torch.zeros(k, dtype=x.dtype, device=x.device)
+        offset = torch.zeros(k, dtype=x.dtype, device=x.device) if input_offset is None else \
+            input_offset.to(x.dtype).repeat(k)
         quantized = torch_npu.npu_quantize(flat, reciprocal, offset, torch.qint8, -1, False)
         y = torch_npu.npu_quant_matmul(quantized, weight, input_scale.float() * scale, bias=bias,
                                        output_dtype=x.dtype)

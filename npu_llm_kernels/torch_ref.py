@@ -26,17 +26,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 INT8_HALF_RANGE = 127.5
 
 
-def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale): x [T, K] as int8 values (held in fp32) and the scale they are multiplied by to give x again.
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None = None,
+                  offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): x [T, K] as int8 values (held in fp32) and the scale they are multiplied by to give x again
+    (x = (q - offset) * scale).
 
     With no scale, each row (token) gets its own, from its absolute maximum (dynamic quantization); otherwise
-    the given one (static). The arithmetic is compressed-tensors' (x / scale, rounded half to even, clamped),
-    which transformers runs for these checkpoints, so that greedy outputs agree with it token for token."""
+    the given one (static), with msModelSlim's integer offset where its activations are asymmetric. The arithmetic
+    is compressed-tensors' (x / scale + offset, rounded half to even, clamped), which transformers runs for these
+    checkpoints, so that greedy outputs agree with it token for token."""
     x = x.float()
     if scale is None:
         scale = x.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
         scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)  # an all-zero row stays zero
-    return torch.round(x / scale).clamp_(-128, 127), scale.float()
+    shifted = x / scale if offset is None else x / scale + offset.float()
+    return torch.round(shifted).clamp_(-128, 127), scale.float()
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -45,14 +49,16 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                bias: torch.Tensor | None = None, int8_matmul=None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, input_offset: torch.Tensor | None = None,
+                int8_matmul=None) -> torch.Tensor:
     """y = x w^T (+ bias) for int8 weights [N, K] with per-channel scales [N, 1], x quantized to int8 first: per token
-    (input_scale None) or with the static input_scale [1]. The int8 products are summed exactly in fp32 (while the
-    partial sums stay below 2^24; to fp32's rounding beyond),
-    then scaled: what an int8 GEMM with int32 accumulators gives. Here the weights are converted per call (the
+    (input_scale None) or with the static input_scale [1] (and input_offset [1]: msModelSlim's asymmetric
+    activations, whose offset times the weights' row sums its quant_bias takes away again, inside `bias`). The int8
+    products are summed exactly in fp32 (while the partial sums stay below 2^24; to fp32's rounding beyond), then
+    scaled: what an int8 GEMM with int32 accumulators gives. Here the weights are converted per call (the
     portable path: CUDA, and the CPU where its kernels do not apply). `int8_matmul(q, weight)`, where given, sums
     q [T, K] (int8 values in fp32) times weight^T in a kernel of its own, into fp32 [T, N]."""
-    q, scale = quantize_int8(x.reshape(-1, x.shape[-1]), input_scale)
+    q, scale = quantize_int8(x.reshape(-1, x.shape[-1]), input_scale, input_offset)
     products = F.linear(q, weight.float()) if int8_matmul is None else int8_matmul(q, weight)
     y = products * scale * weight_scale.view(1, -1).float()
     if bias is not None:

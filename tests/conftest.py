@@ -231,21 +231,22 @@ def add_mtp_layer(model_dir, layer_scale: float = 0.01):
     return model_dir
 
 
-def rewrite_checkpoint(model_dir, tmp_path, change_tensors=None, change_config=None):
-    """A copy of a one-file checkpoint ("bad", under tmp_path) with its tensors and its config.json changed in place
-    by the given functions."""
+def rewrite_checkpoint(model_dir, tmp_path, change_tensors=None, change_config=None,
+                       weights="model.safetensors", config="config.json"):
+    """A copy of a one-file checkpoint ("bad", under tmp_path) with its tensors and its config.json (or another JSON
+    file that describes it) changed in place by the given functions."""
     from safetensors.torch import load_file, save_file
 
     bad = tmp_path / "bad"
     shutil.copytree(model_dir, bad)
     if change_tensors:
-        tensors = load_file(bad / "model.safetensors")
+        tensors = load_file(bad / weights)
         change_tensors(tensors)
-        save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+        save_file(tensors, bad / weights, metadata={"format": "pt"})
     if change_config:
-        config = json.loads((bad / "config.json").read_text())
-        change_config(config)
-        (bad / "config.json").write_text(json.dumps(config))
+        described = json.loads((bad / config).read_text())
+        change_config(described)
+        (bad / config).write_text(json.dumps(described))
     return bad
 
 

@@ -13,8 +13,9 @@ from tests.conftest import make_tiny_model
 VOCAB = 49152
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static):
+@pytest.mark.parametrize("static, offset", [(False, None), (True, None), (True, 5.0)])
+def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static, offset):
+    """(offset: msModelSlim's asymmetric activations, npu_quantize's zero_points)"""
     from npu_llm_kernels import npu, torch_ref
 
     torch.manual_seed(0)
@@ -22,11 +23,14 @@ def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static):
     x, bias = torch.randn(rows, k).bfloat16(), torch.randn(n)
     weight, weight_scale = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, 1) / 100
     input_scale = x.float().abs().amax().reshape(1) / 127.5 if static else None
+    input_offset = None if offset is None else torch.tensor([offset])
     packed = npu.pack_int8_weight(weight.to("npu"))
     assert packed.shape == (k, n) and fake_npu.get_npu_format(packed) == 29
     ours = npu.int8_linear(x.to("npu"), packed, weight_scale.to("npu"),
-                           None if input_scale is None else input_scale.to("npu"), bias.bfloat16().to("npu"))
-    expected = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float())
+                           None if input_scale is None else input_scale.to("npu"), bias.bfloat16().to("npu"),
+                           None if input_offset is None else input_offset.to("npu"))
+    expected = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(),
+                                     input_offset)
     assert ours.device.type == "npu" and ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
     # one int8 step of an activation moves an output by about |w| * scale_x * scale_w: within 3% of the largest
     assert (ours.cpu().float() - expected).abs().max() < 0.03 * expected.abs().max()
@@ -61,21 +65,26 @@ def test_npu_quant_ops_reject_what_the_real_ops_reject(fake_npu):
             call()
 
 
-def test_the_engine_serves_a_w8a8_checkpoint_on_the_npu(fake_npu, monkeypatch, tmp_path, default_model_dir):
+@pytest.mark.parametrize("scheme, format", [("w8a8_dynamic", "compressed-tensors"), ("w8a8", "ascend")])
+def test_the_engine_serves_a_w8a8_checkpoint_on_the_npu(fake_npu, monkeypatch, tmp_path, default_model_dir, scheme,
+                                                        format):
     """Greedy on the NPU (bf16) against the CPU's portable path on the same checkpoint: each prompt's first token
-    is among the CPU's five most likely (the two quantize activations with scales 127 / 127.5 apart)."""
+    is among the CPU's five most likely (the two quantize activations with scales 127 / 127.5 apart, or multiply by
+    a static scale's reciprocal where the CPU divides by it)."""
     from backend import LLM, SamplingParams
 
     source = make_tiny_model("llama", tmp_path / "source", vocab_size=VOCAB)
-    out = quantize_checkpoint(str(source), tmp_path / "w8a8", "w8a8_dynamic")
+    out = quantize_checkpoint(str(source), tmp_path / "w8a8", scheme, tokenizer=default_model_dir, format=format)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (7, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
-    args = dict(model=str(out), tokenizer=str(default_model_dir), dtype="bfloat16", num_kv_blocks=8)
+    args = dict(model=str(out), tokenizer=str(default_model_dir), dtype="bfloat16", num_kv_blocks=8,
+                quantization=None if format == "compressed-tensors" else format)
     with LLM(device="npu", **args) as llm:
         on_npu = [o.outputs[0] for o in llm.generate(prompts, params)]
         assert llm.engine.kv.num_free_blocks == 8
-    assert fake_npu.calls["npu_quant_matmul"] > 0 and fake_npu.calls["npu_dynamic_quant"] > 0
+    assert fake_npu.calls["npu_quant_matmul"] > 0
+    assert fake_npu.calls["npu_dynamic_quant" if scheme == "w8a8_dynamic" else "npu_quantize"] > 0
     monkeypatch.setenv("NPU_LLM_CPU_KERNELS", "0")
     with LLM(device="cpu", block_size=128, **args) as llm:
         on_cpu = [o.outputs[0] for o in llm.generate(prompts, params)]

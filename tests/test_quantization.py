@@ -86,22 +86,25 @@ def test_quantized_logits_stay_close_to_the_unquantized_model(quantized, source)
     assert (ours.argmax(-1) == unquantized.argmax(-1)).float().mean() > 0.85
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, cpu_level):
+@pytest.mark.parametrize("static, offset", [(False, None), (True, None), (True, -37.0)])
+def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, offset, cpu_level):
     """At this CPU level (VNNI: oneDNN's int8 GEMM; else the extension's AVX2 kernel; K not a multiple of 16, or no
     AVX2: torch_ref), from a decode row to a prefill chunk: fp32 activations give torch_ref's very result (the int8
-    products are summed exactly either way), bf16 ones the same within bf16's rounding of the output."""
+    products are summed exactly either way), bf16 ones the same within bf16's rounding of the output. (offset:
+    msModelSlim's asymmetric static activations.)"""
     torch.manual_seed(0)
     for rows, k, n in [(1, 64, 96), (3, 576, 193), (17, 128, 64), (300, 256, 160), (5, 72, 33)]:
         weight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         weight_scale, bias = torch.rand(n, 1) / 100, torch.randn(n)
         x = torch.randn(rows, k).bfloat16()
         input_scale = x.float().abs().amax().reshape(1) / 127.5 if static else None
-        exact = cpu.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float())
+        input_offset = None if offset is None else torch.tensor([offset])
+        exact = cpu.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(), input_offset)
         assert torch.equal(exact, torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale,
-                                                        bias.bfloat16().float())), (rows, k, n)
-        got = cpu.int8_linear(x, weight, weight_scale, input_scale, bias.bfloat16())
-        want = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float())
+                                                        bias.bfloat16().float(), input_offset)), (rows, k, n)
+        got = cpu.int8_linear(x, weight, weight_scale, input_scale, bias.bfloat16(), input_offset)
+        want = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(),
+                                     input_offset)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max(), (rows, k, n)
 
@@ -245,7 +248,7 @@ def test_the_quantization_setting_is_checked_against_the_checkpoint(source, quan
     assert load_model(out, ops_for("cpu"), dtype="float32", quantization="compressed-tensors")[0] is not None
     with pytest.raises(ModelLoadError, match="quantization='compressed-tensors': .* has no quantization_config"):
         load_model(source, ops_for("cpu"), dtype="float32", quantization="compressed-tensors")
-    with pytest.raises(ModelLoadError, match="quantization='ascend': msModelSlim checkpoints are not served yet"):
+    with pytest.raises(ModelLoadError, match="quantization='ascend': .* describes a compressed-tensors checkpoint"):
         load_model(out, ops_for("cpu"), dtype="float32", quantization="ascend")
 
 
@@ -266,6 +269,7 @@ def test_quantized_experts_are_refused_until_they_are_served(tmp_path):
 def test_model_json_takes_vllms_quantization_values_and_refuses_others():
     assert parse_model_json({"quantization": "compressed-tensors"}).config.quantization == "compressed-tensors"
     assert parse_model_json({"quantization": None}).config.quantization is None
+    assert parse_model_json({"quantization": "ascend"}).config.quantization == "ascend"
     with pytest.raises(ValueError, match="quantization='awq': must be one of compressed-tensors, ascend"):
         parse_model_json({"quantization": "awq"})
 

@@ -23,6 +23,7 @@ class Linear(nn.Linear):
         self.ops = ops
         self.scheme = None  # an Int8Scheme once quantized
         self.input_scale = None  # static activation scale: one per checkpoint layer fused here, then their max
+        self.input_offset = None  # msModelSlim's static activation offset (an integer), likewise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -31,17 +32,26 @@ class Linear(nn.Linear):
         with scope("matmul"):
             if self.scheme is None:
                 return self.ops.linear(x, self.weight, bias)
-            return self.ops.int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
+            return self.ops.int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.input_offset)
 
     def quantize(self, scheme, parts: int) -> None:
         """Hold int8 weights [N, K] and their fp32 scales [N, 1] (and a static input scale per fused part), to be
-        loaded from the checkpoint; before loading, on the meta device."""
-        device = self.weight.device
+        loaded from the checkpoint; before loading, on the meta device. msModelSlim's layers hold its tensors too
+        (backend/models/quantization.py folds them after loading): weight_offset [N, 1], and for static activations
+        input_offset per part, quant_bias [N] and deq_scale [N], which take the place of the float bias."""
+        device, n = self.weight.device, self.out_features
         self.scheme = scheme
         self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=torch.int8), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(self.out_features, 1, device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(n, 1, device=device), requires_grad=False)
         if not scheme.dynamic:
             self.input_scale = nn.Parameter(torch.empty(parts, device=device), requires_grad=False)
+        if scheme.modelslim:
+            self.weight_offset = nn.Parameter(torch.empty(n, 1, device=device), requires_grad=False)
+        if scheme.modelslim and not scheme.dynamic:
+            self.input_offset = nn.Parameter(torch.empty(parts, device=device), requires_grad=False)
+            self.quant_bias = nn.Parameter(torch.empty(n, dtype=torch.int32, device=device), requires_grad=False)
+            self.deq_scale = nn.Parameter(torch.empty(n, device=device), requires_grad=False)
+            self.bias = None
 
     def pack(self) -> None:
         """Swap the loaded weight for the kernels' preferred layout (inference only; weights are final)."""
@@ -50,6 +60,8 @@ class Linear(nn.Linear):
         else:
             if self.input_scale is not None:  # the parts of a fused layer see one input: one scale covers them all
                 self.input_scale = nn.Parameter(self.input_scale.max().reshape(1), requires_grad=False)
+            if self.input_offset is not None:  # (msModelSlim's parts agree: checked at load)
+                self.input_offset = nn.Parameter(self.input_offset[:1].clone(), requires_grad=False)
             packed = self.ops.pack_int8_weight(self.weight.data)
         if packed is not self.weight.data:
             del self.weight
@@ -58,7 +70,8 @@ class Linear(nn.Linear):
 
 class RowParallelLinear(Linear):
     """A Linear whose input features are split across ranks: partial products, summed by one all-reduce;
-    the bias is added once, after it."""
+    the bias is added once, by rank 0's matmul, as vLLM adds it (an msModelSlim layer's folded bias is fp32, which the
+    int8 matmul adds in fp32: backend/models/quantization.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType, tp: TensorParallel,
                  reduce_results: bool = True):
@@ -69,11 +82,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        y = self._matmul(x, None)
-        if not self.reduce_results:
-            return y if self.bias is None or self.tp.rank else y + self.bias
-        y = self.tp.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        y = self._matmul(x, None if self.tp.rank else self.bias)
+        return self.tp.all_reduce(y) if self.reduce_results else y
 
 
 class VocabParallelEmbedding(nn.Embedding):

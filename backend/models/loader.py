@@ -16,14 +16,14 @@ from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.mtp import attach_mtp
 from backend.models.quantization import (
-    SYMMETRIC_ZERO_POINTS, CompressedTensors, UnsupportedQuantization, check_loaded_dtype, check_scales,
-    quantization_of, quantize_layers,
+    SYMMETRIC_ZERO_POINTS, CompressedTensors, ModelSlim, UnsupportedQuantization, as_loaded, check_scales,
+    fold_modelslim, folded_into_quant_bias, quantization_of, quantize_layers,
 )
 from backend.models.registry import resolve_model
 
-# Checkpoint tensors of one value per layer (a static activation scale): every rank reads them whole, and the parts of
-# a fused layer each fill their own entry.
-PER_TENSOR = (".input_scale",)
+# Checkpoint tensors of one value per layer (a static activation scale, and msModelSlim's offset): every rank reads
+# them whole, and the parts of a fused layer each fill their own entry.
+PER_TENSOR = (".input_scale", ".input_offset")
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +80,7 @@ def max_model_len_of(config) -> int:
     return limit
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -133,10 +133,18 @@ def load_model(
     for router in (m for m in module.modules() if isinstance(m, Router)):
         router.float()
     module = module.to_empty(device=device)
-    _load_weights(module, _checkpoint_files(model_dir))
+    files = checkpoint_files(model_dir)
+    if quant is not None:
+        try:
+            quant.check_tensors(_stored_keys(files), model_dir)
+        except UnsupportedQuantization as e:
+            raise ModelLoadError(str(e)) from e
+    _load_weights(module, files)
     if quant is not None:
         try:
             check_scales(module)
+            if isinstance(quant, ModelSlim):
+                fold_modelslim(module)
         except UnsupportedQuantization as e:
             raise ModelLoadError(f"{model_dir}: {e}") from e
     module.pack_weights()
@@ -145,7 +153,8 @@ def load_model(
     return module.eval(), config, model_dir
 
 
-def _quantize(module: LlamaForCausalLM, quant: CompressedTensors, ops: ModuleType, model_dir: Path) -> None:
+def _quantize(module: LlamaForCausalLM, quant: CompressedTensors | ModelSlim, ops: ModuleType,
+              model_dir: Path) -> None:
     """Give the layers the checkpoint stores in int8 their int8 parameters (still on the meta device)."""
     where = model_dir / "config.json"
     has_experts = any(isinstance(m, FusedMoE) for m in module.modules())
@@ -159,6 +168,17 @@ def _quantize(module: LlamaForCausalLM, quant: CompressedTensors, ops: ModuleTyp
     except UnsupportedQuantization as e:
         raise ModelLoadError(f"{where}: {e}") from e
     log.info("%s: %s", where.parent.name, quant.description)
+
+
+def _stored_keys(files: list[Path]) -> set[str]:
+    keys: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys.update(f.keys())
+        except SafetensorError as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
+    return keys
 
 
 def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
@@ -236,13 +256,15 @@ def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path:
     if key.endswith(PER_TENSOR) and tensor.dim() == 0:  # (older checkpoints store a scalar)
         tensor = tensor.reshape(1)
     param = params.get(target)
+    if param is None and folded_into_quant_bias(module, target):
+        return
     if param is None:
         raise ModelLoadError(f"{path}: unexpected tensor {key!r} for {module.config.architectures[0]}")
     dest = param.data[rows]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     try:
-        check_loaded_dtype(dest, tensor, key, path)
+        tensor = as_loaded(dest, tensor, key, path)
     except UnsupportedQuantization as e:
         raise ModelLoadError(str(e)) from e
     dest.copy_(tensor)

@@ -1,12 +1,21 @@
 """Quantized checkpoints: which linear layers of a model hold int8 weights, and how their activations are quantized.
 
-Read from the checkpoint's own description, as vLLM reads it: a `quantization_config` with
-`quant_method: compressed-tensors` in config.json (llm-compressor's format, and `npu-llm quantize`'s), parsed by the
-compressed-tensors package itself. The schemes served (docs/quantization.md):
+Read from the checkpoint's own description, as vLLM and vllm-ascend read it (docs/quantization.md):
+
+- compressed-tensors: a `quantization_config` with `quant_method: compressed-tensors` in config.json
+  (llm-compressor's format, and `npu-llm quantize`'s), parsed by the compressed-tensors package itself;
+- msModelSlim (`quantization="ascend"`): `quant_model_description.json` beside the weights, each tensor's type
+  (`W8A8`, `W8A8_DYNAMIC`, or `FLOAT` for a layer kept in its precision), as vllm-ascend's AscendModelSlimConfig
+  reads it.
+
+The schemes served:
 
 - W8A8 dynamic: int8 weights, one scale per output channel (`weight` int8 [N, K], `weight_scale` [N, 1]);
   activations quantized per token as each step runs.
 - W8A8 static: the same weights; activations quantized with one calibrated scale per layer (`input_scale` [1]).
+  msModelSlim's adds an integer `input_offset` [1] (asymmetric activations) and stores what dequantizes the int32
+  sums: `deq_scale` [N] (input_scale * weight_scale; fp32, or int64 as npu_trans_quant_param packs it for fp16
+  models) and `quant_bias` [N] int32 (the float bias over deq_scale, less the offset times the weights' row sums).
 
 Everything else a checkpoint may ask for (other bit widths, asymmetric or grouped weights, fp8, a quantized KV
 cache, quantized experts or latent attention) fails the load, naming what was asked: nothing is served in a
@@ -14,6 +23,7 @@ precision other than the checkpoint's.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +42,19 @@ class Int8Scheme:
 
     name: str  # what the docs and the start-up log call it
     dynamic: bool  # True: a scale per token, computed each step; False: the checkpoint's input_scale
+    modelslim: bool = False  # msModelSlim's tensors: weight_offset, and (static) input_offset, quant_bias, deq_scale
 
 
 W8A8_DYNAMIC = Int8Scheme("w8a8_dynamic", dynamic=True)
 W8A8_STATIC = Int8Scheme("w8a8", dynamic=False)
+MODELSLIM_SCHEMES = {"W8A8": Int8Scheme("W8A8", dynamic=False, modelslim=True),
+                     "W8A8_DYNAMIC": Int8Scheme("W8A8_DYNAMIC", dynamic=True, modelslim=True)}
+MODELSLIM_FLOAT = "FLOAT"  # a layer msModelSlim kept in its precision
+MODELSLIM_DESCRIPTION = "quant_model_description.json"
+# Keys of the description that are not tensors, and that ask for what is not served (a quantized KV cache, quantized
+# attention): refused. Others (model_quant_type, version, group_size) say nothing a W8A8 layer reads.
+MODELSLIM_REFUSED_KEYS = {"kv_cache_type": "a quantized KV cache", "fa_quant_type": "quantized attention",
+                          "indexer_quant_type": "a quantized indexer"}
 
 
 class UnsupportedQuantization(ValueError):
@@ -74,28 +93,93 @@ class CompressedTensors:
     def description(self) -> str:
         return "compressed-tensors " + ", ".join(sorted({scheme.name for _, scheme in self.groups}))
 
+    def check_tensors(self, stored: set[str], where: Path) -> None:
+        """(compressed-tensors names no tensors: a missing one is a parameter left unfilled, which the loader names.)"""
 
-def quantization_of(config, requested: str | None, where: Path) -> CompressedTensors | None:
+
+@dataclass
+class ModelSlim:
+    """An msModelSlim checkpoint's quant_model_description.json: {tensor name: its quantization type}."""
+
+    types: dict[str, str]
+    path: Path
+
+    def scheme_for(self, name: str, module: nn.Module) -> Int8Scheme | None:
+        """The scheme of the checkpoint layer `name`, by its weight's type, as vllm-ascend's get_linear_quant_type
+        looks it up; None for FLOAT (and for an output head the description does not list)."""
+        kind = self.types.get(f"{name}.weight")
+        if kind is None and not isinstance(module, Linear):
+            return None
+        if kind is None:
+            raise UnsupportedQuantization(f"{self.path}: no type for {name}.weight")
+        if kind == MODELSLIM_FLOAT:
+            return None
+        if kind not in MODELSLIM_SCHEMES:
+            raise UnsupportedQuantization(
+                f"{self.path}: {name}.weight is {kind}, which is not served; npu-llm runs msModelSlim's "
+                f"{', '.join(MODELSLIM_SCHEMES)} and {MODELSLIM_FLOAT} layers")
+        return MODELSLIM_SCHEMES[kind]
+
+    @property
+    def description(self) -> str:
+        return "msModelSlim " + ", ".join(sorted(set(self.types.values()) - {MODELSLIM_FLOAT}) or [MODELSLIM_FLOAT])
+
+    def check_tensors(self, stored: set[str], where: Path) -> None:
+        """Every tensor the description names is in the checkpoint (a description of another checkpoint, or a
+        checkpoint cut short, would otherwise serve whatever the layers were left holding)."""
+        missing = sorted(set(self.types) - stored)
+        if missing:
+            raise UnsupportedQuantization(
+                f"{self.path} names tensors {where} lacks: {', '.join(missing[:5])}"
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def quantization_of(config, requested: str | None, where: Path) -> CompressedTensors | ModelSlim | None:
     """The checkpoint's quantization (None: unquantized), checked against `quantization` as the user set it."""
     raw = getattr(config, "quantization_config", None)
+    raw = raw if isinstance(raw, dict) or raw is None else raw.to_dict()
+    method = (raw or {}).get("quant_method")
+    description = where.parent / MODELSLIM_DESCRIPTION
     if requested not in (None, *QUANTIZATION_CHOICES):
         raise UnsupportedQuantization(
             f"quantization={requested!r}: expected one of {', '.join(QUANTIZATION_CHOICES)}, or none")
     if requested == "ascend":
-        raise UnsupportedQuantization(
-            "quantization='ascend': msModelSlim checkpoints are not served yet; a compressed-tensors W8A8 checkpoint "
-            "(llm-compressor's, or `npu-llm quantize`'s) is")
+        if method == "compressed-tensors":
+            raise UnsupportedQuantization(f"quantization='ascend': {where} describes a compressed-tensors "
+                                          "checkpoint; load it with quantization unset")
+        return _modelslim(description)
+    if description.is_file() and method != "compressed-tensors":
+        raise UnsupportedQuantization(f"{where.parent} is an msModelSlim checkpoint ({MODELSLIM_DESCRIPTION}): "
+                                      "load it with quantization='ascend', as vLLM does")
     if not raw:
         if requested is not None:
             raise UnsupportedQuantization(f"quantization={requested!r}: {where} has no quantization_config")
         return None
-    raw = raw if isinstance(raw, dict) else raw.to_dict()
-    method = raw.get("quant_method")
     if method != "compressed-tensors":
         raise UnsupportedQuantization(
             f"{where}: quant_method {method!r} is not served; compressed-tensors W8A8 checkpoints are (DeepSeek's "
             "FP8 release converts to bf16 with its fp8_cast_bf16.py)")
     return _compressed_tensors(raw, where)
+
+
+def _modelslim(path: Path) -> ModelSlim:
+    if not path.is_file():
+        raise UnsupportedQuantization(f"quantization='ascend': {path} is missing (msModelSlim writes it beside the "
+                                      "weights)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedQuantization(f"{path}: not JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise UnsupportedQuantization(f"{path}: expected an object of tensor names and their types")
+    for key, what in MODELSLIM_REFUSED_KEYS.items():
+        if key in raw:
+            raise UnsupportedQuantization(f"{path}: {key} {raw[key]!r} asks for {what}, which is not served yet")
+    types = {key: kind for key, kind in raw.items() if "." in key}  # (the others: model_quant_type, version, ...)
+    bad = [key for key, kind in types.items() if not isinstance(kind, str)]
+    if bad:
+        raise UnsupportedQuantization(f"{path}: the type of {bad[0]} is not a string")
+    return ModelSlim(types, path)
 
 
 def _compressed_tensors(raw: dict, where: Path) -> CompressedTensors:
@@ -153,7 +237,7 @@ def _describe(args) -> str:
     return f"({args.num_bits}-bit {args.type}, {kind}, per {args.strategy}{group}, {dynamic})"
 
 
-def quantize_layers(model: nn.Module, quantization: CompressedTensors) -> None:
+def quantize_layers(model: nn.Module, quantization: CompressedTensors | ModelSlim) -> None:
     """On the meta device, before loading: every layer the checkpoint stores in int8 gets int8 weights and scales.
 
     A fused layer of ours (qkv_proj, gate_up_proj) is several checkpoint layers: they must share one scheme, as
@@ -207,3 +291,72 @@ def check_loaded_dtype(param: torch.Tensor, tensor: torch.Tensor, key: str, path
         raise UnsupportedQuantization(
             f"{path}: tensor {key!r} is {name(tensor.dtype)}, where config.json (its quantization_config, or its "
             f"absence) makes it {name(param.dtype)}")
+
+
+# msModelSlim's offsets are integers, stored in whatever dtype (vllm-ascend's input_offset parameter is int8, its
+# weight_offset the model's dtype): read as fp32 values, checked after loading.
+MODELSLIM_OFFSETS = (".input_offset", ".weight_offset")
+
+
+def as_loaded(param: torch.Tensor, tensor: torch.Tensor, key: str, path: Path) -> torch.Tensor:
+    """The checkpoint tensor `key` as it fills `param`: msModelSlim's int64 deq_scale unpacked, its offsets as
+    values; any other tensor only in its parameter's precision (check_loaded_dtype)."""
+    if key.endswith(".deq_scale") and tensor.dtype == torch.int64:
+        return deq_scale_from_int64(tensor)
+    if key.endswith(MODELSLIM_OFFSETS):
+        return tensor.float()
+    check_loaded_dtype(param, tensor, key, path)
+    return tensor
+
+
+def deq_scale_from_int64(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 scales from the int64 form npu_trans_quant_param makes for fp16 models (docs/npu.md, section 13): the
+    scale's fp32 bits, their low 13 cleared, in the low 32 bits; flags above them."""
+    low = packed & 0xFFFFFFFF
+    return torch.where(low >= 2 ** 31, low - 2 ** 32, low).to(torch.int32).view(torch.float32)
+
+
+def deq_scale_to_int64(scale: torch.Tensor) -> torch.Tensor:
+    """deq_scale_from_int64's inverse, as npu_trans_quant_param packs it (bit 46 set, no offset)."""
+    return (scale.float().view(torch.int32).to(torch.int64) & 0xFFFFE000) | (1 << 46)
+
+
+def folded_into_quant_bias(model: nn.Module, key: str) -> bool:
+    """Whether `key` is the float bias of an msModelSlim static layer: its quant_bias carries it, and vllm-ascend
+    leaves it unread, so it may be there or not."""
+    layer, _, last = key.rpartition(".")
+    try:
+        module = model.get_submodule(layer) if last == "bias" else None
+    except AttributeError:  # (no such layer: the loader names the tensor as unexpected)
+        return False
+    scheme = getattr(module, "scheme", None)
+    return scheme is not None and scheme.modelslim and not scheme.dynamic
+
+
+def fold_modelslim(model: nn.Module) -> None:
+    """After loading, msModelSlim's layers in the form every platform's int8_linear runs: weights symmetric (their
+    offsets zero), and for static activations weight_scale = deq_scale / input_scale and bias = quant_bias *
+    deq_scale, which gives vllm-ascend's (x_q w^T + quant_bias) * deq_scale to fp32's rounding. The bias stays fp32
+    (int8_linear adds it in fp32): it takes back the offset's share of the sums, which is large beside the output,
+    and in bf16 its rounding alone turned the default model's logits to noise (docs/quantization.md)."""
+    for name, module in model.named_modules():
+        scheme = getattr(module, "scheme", None)
+        if not isinstance(module, Linear) or scheme is None or not scheme.modelslim:
+            continue
+        if module.weight_offset.any():
+            raise UnsupportedQuantization(f"{name}: weight_offset is not zero; asymmetric int8 weights are not "
+                                          "served (vllm-ascend's W8A8 methods do not read it either)")
+        del module.weight_offset
+        if scheme.dynamic:
+            continue
+        scale, offset, deq = module.input_scale, module.input_offset, module.deq_scale.float()
+        if (scale != scale[0]).any() or (offset != offset[0]).any():
+            raise UnsupportedQuantization(f"{name}: its parts, which see one input, have different input scales "
+                                          f"{scale.tolist()} or offsets {offset.tolist()}")
+        if offset[0] != offset[0].round() or not -128 <= offset[0] <= 127:
+            raise UnsupportedQuantization(f"{name}: input_offset must be an int8 value, got {offset[0].item()}")
+        if not (torch.isfinite(deq).all() and (deq > 0).all()):
+            raise UnsupportedQuantization(f"{name}: deq_scale must be finite and positive")
+        module.weight_scale = nn.Parameter((deq / scale[0]).reshape(-1, 1), requires_grad=False)
+        module.bias = nn.Parameter(module.quant_bias.float() * deq, requires_grad=False)
+        del module.quant_bias, module.deq_scale

@@ -37,7 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_linear_bf16_weights", &has_linear_bf16_weights, "whether this build has linear_bf16_weights");
   m.def("linear_int8_weights", &linear_int8_weights, "W8A8: x quantized to int8, times int8 weights (AVX2)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"),
-        pybind11::arg("input_scale") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("input_scale") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("input_offset") = pybind11::none());
   m.def("has_linear_int8_weights", &has_linear_int8_weights, "whether this build has linear_int8_weights");
   m.def("fused_experts", &fused_experts, "a MoE layer's experts on tokens sorted by expert, combined per token");
   m.def("has_fused_experts", &has_fused_experts, "whether this build has fused_experts");

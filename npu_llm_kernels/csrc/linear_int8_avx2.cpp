@@ -1,6 +1,7 @@
 // W8A8: y = (q_x q_w^T) * scale_x * scale_w (+ bias) for int8 weights [N, K] with per-channel scales, the activations
-// quantized to int8 here first: per row (dynamic) or with one static scale. The arithmetic is torch_ref.int8_linear's
-// (compressed-tensors'): scale = absmax / 127.5, q = clamp(round_half_even(x / scale), -128, 127).
+// quantized to int8 here first: per row (dynamic) or with one static scale (and, for msModelSlim's asymmetric
+// activations, an integer offset). The arithmetic is torch_ref.int8_linear's (compressed-tensors'): scale = absmax /
+// 127.5, q = clamp(round_half_even(x / scale + offset), -128, 127).
 //
 // Why not oneDNN's int8 GEMM: without VNNI it multiplies u8 x s8 through 16-bit intermediates (vpmaddubsw) that
 // saturate on full-range int8 weights (docs/quantization.md). Here both operands are widened to 16 bits and
@@ -42,8 +43,9 @@ inline int32_t hsum(__m256i v) {
 
 // One row of x as int16 values of int8 range into q; returns its scale (the static one, or absmax / 127.5), or NaN
 // where x / scale is NaN somewhere (a NaN in x, or an infinite absmax): the row's outputs are then NaN, as torch_ref's.
+// The static offset is added before rounding (0 for dynamic and symmetric scales).
 template <typename T>
-float quantize_row(const T* x, int64_t k, float static_scale, int16_t* q) {
+float quantize_row(const T* x, int64_t k, float static_scale, float offset, int16_t* q) {
   float scale = static_scale;
   if (scale <= 0.f) {
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -52,12 +54,13 @@ float quantize_row(const T* x, int64_t k, float static_scale, int16_t* q) {
     scale = hmax(vmax) / 127.5f;
     if (scale == 0.f) scale = 1.1920928955078125e-07f;  // an all-zero row stays zero (torch_ref: fp32 eps)
   }
-  const __m256 vscale = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+  const __m256 vscale = _mm256_set1_ps(scale), voffset = _mm256_set1_ps(offset);
+  const __m256 lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
   __m256 unordered = _mm256_setzero_ps();  // max and min below would turn a NaN into a bound
   for (int64_t c = 0; c < k; c += 16) {
     __m256i halves[2];
     for (int h = 0; h < 2; ++h) {
-      __m256 v = _mm256_div_ps(load_as_float(x + c + 8 * h), vscale);
+      __m256 v = _mm256_add_ps(_mm256_div_ps(load_as_float(x + c + 8 * h), vscale), voffset);
       unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // half to even, as torch.round
       halves[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
@@ -110,11 +113,11 @@ void rows(const int16_t* q, const float* xscale, const int8_t* w, const float* w
 
 template <typename T>
 void linear(const T* x, int64_t m, int64_t k, const int8_t* w, const float* wscale, const float* bias, int64_t n,
-            float static_scale, float* out) {
+            float static_scale, float offset, float* out) {
   std::vector<int16_t> q(m * k);
   std::vector<float> xscale(m);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) xscale[r] = quantize_row(x + r * k, k, static_scale, q.data() + r * k);
+    for (int64_t r = begin; r < end; ++r) xscale[r] = quantize_row(x + r * k, k, static_scale, offset, q.data() + r * k);
   });
   at::parallel_for(0, (n + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t stripe = begin; stripe < end; ++stripe) {
@@ -136,7 +139,8 @@ void linear(const T* x, int64_t m, int64_t k, const int8_t* w, const float* wsca
 }  // namespace
 
 at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                               const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias) {
+                               const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& input_offset) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(), "weight: int8 [N, K]");
   TORCH_CHECK(x.is_cpu() && weight.is_cpu() && weight_scale.is_cpu(), "CPU tensors only");
@@ -150,16 +154,19 @@ at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, co
   const int64_t m = flat.size(0);
   const float static_scale = input_scale.has_value() ? input_scale->to(at::kFloat).item<float>() : 0.f;
   TORCH_CHECK(!input_scale.has_value() || static_scale > 0.f, "input_scale must be positive");  // (checked at load)
+  TORCH_CHECK(!input_offset.has_value() || (input_scale.has_value() && input_offset->numel() == 1),
+              "input_offset: one value, beside a static input_scale");
+  const float offset = input_offset.has_value() ? input_offset->to(at::kFloat).item<float>() : 0.f;
   std::optional<at::Tensor> fp32_bias;
   if (bias.has_value()) fp32_bias = bias->to(at::kFloat).contiguous();
   at::Tensor out = at::empty({m, n}, flat.options().dtype(at::kFloat));
   const float* b = fp32_bias.has_value() ? fp32_bias->data_ptr<float>() : nullptr;
   if (flat.scalar_type() == at::kFloat) {
     linear(flat.data_ptr<float>(), m, k, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), b, n, static_scale,
-           out.data_ptr<float>());
+           offset, out.data_ptr<float>());
   } else {
     linear(flat.data_ptr<at::BFloat16>(), m, k, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), b, n,
-           static_scale, out.data_ptr<float>());
+           static_scale, offset, out.data_ptr<float>());
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
@@ -171,7 +178,7 @@ bool has_linear_int8_weights() { return true; }
 #else  // no AVX2: torch_ref takes these calls
 
 at::Tensor linear_int8_weights(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                               const std::optional<at::Tensor>&) {
+                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "linear_int8_weights needs AVX2 and FMA");
 }
 

@@ -36,11 +36,13 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 // (has_linear_bf16_weights says whether this build has it).
 at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 bool has_linear_bf16_weights();
-// W8A8: x [.., K] (fp32 or bf16; K a multiple of 16) quantized to int8 per row (or with input_scale [1]) times int8
-// weight [N, K]^T with per-channel weight_scale [N, 1] (+ bias), exact int32 sums; the output in x's dtype
-// (npu_llm_kernels/torch_ref.py int8_linear). AVX2 builds only (has_linear_int8_weights says whether this one has it).
+// W8A8: x [.., K] (fp32 or bf16; K a multiple of 16) quantized to int8 per row (or with input_scale [1] and
+// input_offset [1]) times int8 weight [N, K]^T with per-channel weight_scale [N, 1] (+ bias), exact int32 sums; the
+// output in x's dtype (npu_llm_kernels/torch_ref.py int8_linear). AVX2 builds only (has_linear_int8_weights says
+// whether this one has it).
 at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                               const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias);
+                               const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& input_offset);
 bool has_linear_int8_weights();
 // The experts of a MoE layer (npu_llm_kernels/torch_ref.py fused_experts), x and weights fp32 or bf16, the weights in
 // stripes of expert_stripe() columns ([E, N / S, K, S]); experts with at least `onednn_from` tokens (0: none) run their
