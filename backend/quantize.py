@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from backend.models.loader import checkpoint_files, load_config, stored_dtype_of
+from backend.models.moe import EXPERT_TENSOR
 from backend.models.quantization import (
     MODELSLIM_DESCRIPTION, MODELSLIM_FLOAT, deq_scale_from_int64, deq_scale_to_int64,
 )
@@ -43,25 +45,28 @@ log = logging.getLogger(__name__)
 SCHEMES = ("w8a8_dynamic", "w8a8")
 FORMATS = ("compressed-tensors", "ascend")
 MODELSLIM_TYPES = {"w8a8_dynamic": "W8A8_DYNAMIC", "w8a8": "W8A8"}
+ROUTER = re.compile(r".*\.(mlp|block_sparse_moe)\.gate$")  # a MoE layer's router (left in its precision)
+EXPERTS = r"re:.*\.experts\..*"  # a MoE layer's experts, one by one, as compressed-tensors' ignore names them
 SHIPPED_CALIBRATION = Path(__file__).with_name("calibration.jsonl")
 CALIBRATION_CHUNK = 256  # tokens a forward pass: the calibration's activations stay small
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja")
 
 
-def quantization_config(scheme: str):
-    """compressed-tensors' QuantizationConfig for a scheme, over every Linear but lm_head."""
+def quantization_config(scheme: str, experts: bool = False):
+    """compressed-tensors' QuantizationConfig for a scheme, over every Linear but lm_head (and, in a model with
+    experts, but its routers and experts, as llm-compressor's MoE recipes leave the routers: transformers 5 holds
+    the experts as stacked parameters, which compressed-tensors does not quantize)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
     if scheme == "w8a8_dynamic":
         inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
     else:
         inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)
     group = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
-    return QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"], format="int-quantized")
+    ignore = ["lm_head", *((f"re:{ROUTER.pattern}", EXPERTS) if experts else ())]
+    return QuantizationConfig(config_groups={"group_0": group}, ignore=ignore, format="int-quantized")
 
 
 def quantize_checkpoint(model: str, out: str | Path, scheme: str, calibration: str | Path | None = None,
@@ -71,7 +76,8 @@ def quantize_checkpoint(model: str, out: str | Path, scheme: str, calibration: s
     tokenized by `tokenizer` (default: the model's own)."""
     from transformers import AutoModelForCausalLM
 
-    config = quantization_config(scheme)
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     if format not in FORMATS:
         raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")
     texts = None if scheme == "w8a8_dynamic" else calibration_texts(calibration)
@@ -83,6 +89,7 @@ def quantize_checkpoint(model: str, out: str | Path, scheme: str, calibration: s
         raise ValueError(f"{model_dir}: already quantized")
     stored_dtype = stored_dtype_of(stored) or torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()  # scales computed in fp32
+    config = quantization_config(scheme, experts=any(EXPERT_TENSOR.match(name) for name, _ in hf.named_parameters()))
     input_range = None if texts is None else _calibrate(hf, tokenizer or model_dir, texts, max_calibration_tokens)
     out.mkdir(parents=True, exist_ok=True)
     if format == "ascend":
@@ -106,6 +113,8 @@ def _write_compressed_tensors(hf: nn.Module, config, out: Path, stored_dtype: to
         absmax = None if input_range is None else torch.maximum(-input_range[name][0], input_range[name][1])
         _set_scales(module, stored_dtype, absmax)
     compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=config.format)
+    if EXPERTS in config.ignore:  # (the stored config lists the Linear layers left out, and experts are none)
+        compressor.quantization_config.ignore.append(EXPERTS)
     compressor.compress_model(hf)
     hf.to(stored_dtype)  # the tensors left unquantized, and the scales, in the checkpoint's own dtype
     hf.save_pretrained(str(out))
@@ -114,12 +123,14 @@ def _write_compressed_tensors(hf: nn.Module, config, out: Path, stored_dtype: to
 
 def _write_modelslim(hf: nn.Module, model_dir: Path, out: Path, scheme: str, stored_dtype: torch.dtype,
                      input_range: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-    """The source checkpoint's tensors, its linear layers (but lm_head) replaced by msModelSlim's int8 ones, in one
-    file, and the description of every tensor."""
+    """The source checkpoint's tensors, its linear layers (but lm_head and routers) replaced by msModelSlim's int8
+    ones, in one file, and the description of every tensor. Experts stored one by one are quantized W8A8_DYNAMIC
+    whatever the scheme: vllm-ascend serves no static W8A8 experts."""
     from safetensors.torch import load_file, save_file
 
     kind = MODELSLIM_TYPES[scheme]
-    linears = {name for name, m in hf.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+    linears = {name for name, m in hf.named_modules()
+               if isinstance(m, nn.Linear) and name != "lm_head" and not ROUTER.match(name)}
     tensors: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(model_dir):
         tensors.update(load_file(str(path)))
@@ -131,6 +142,11 @@ def _write_modelslim(hf: nn.Module, model_dir: Path, out: Path, scheme: str, sto
         for suffix, tensor in layer.items():
             tensors[f"{name}.{suffix}"] = tensor
         types.update({key: kind for key in tensors if key.startswith(f"{name}.")})
+    for key in [key for key in tensors if EXPERT_TENSOR.match(key) and key.endswith(".weight")]:
+        name = key.removesuffix(".weight")
+        layer = _modelslim_layer(tensors.pop(key).float(), None, stored_dtype, None)
+        tensors.update({f"{name}.{suffix}": tensor for suffix, tensor in layer.items()})
+        types.update({f"{name}.{suffix}": MODELSLIM_TYPES["w8a8_dynamic"] for suffix in layer})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"quant_model_weight_{scheme}.safetensors"),
               metadata={"format": "pt"})
     (out / MODELSLIM_DESCRIPTION).write_text(json.dumps({"model_quant_type": kind, **types}, indent=2) + "\n")

@@ -294,6 +294,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                                  BRGEMM_EXPERT_TOKENS if amx else 0)
 
 
+def fused_experts_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       first_expert: int = 0) -> torch.Tensor:
+    """torch_ref's per-expert loop for W8A8 dynamic experts, each expert's two matmuls on int8_linear (this CPU
+    level's int8 kernel). (A fused kernel over int8 experts, as fused_experts has for float ones, is not written.)"""
+    with scope("moe.experts"):
+        return torch_ref.fused_experts_int8(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, first_expert,
+                                            linear=int8_linear)
+
+
 def describe() -> str:
     """The CPU level and what runs at it, for the start-up log and `doctor`."""
     features, reason = cpu_features(), unavailable_reason()

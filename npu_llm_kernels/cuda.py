@@ -9,6 +9,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     add_rms_norm,
     decode_graph_widths,
     fused_experts,
+    fused_experts_int8,
     int8_linear,
     pack_int8_weight,
     linear,

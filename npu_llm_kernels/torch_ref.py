@@ -267,7 +267,26 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     This is the per-expert loop: tokens are sorted by expert, and each expert with tokens runs two F.linear
     calls on its rows. There is no loop over tokens.
     """
-    order, counts = sort_by_expert(topk_ids, first_expert, w13.shape[0])
+    return _per_expert(x, topk_weights, topk_ids, first_expert, w13.shape[0],
+                       lambda e, rows: F.linear(silu_and_mul(F.linear(rows, w13[e])), w2[e]))
+
+
+def fused_experts_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       first_expert: int = 0, linear=None) -> torch.Tensor:
+    """fused_experts for W8A8 dynamic experts: int8 weights (w13 [E, 2I, H], w2 [E, H, I]) with per-channel scales
+    ([E, N, 1]), each expert's rows quantized per token as int8_linear quantizes them (`linear`: the platform's
+    int8_linear, default this module's)."""
+    linear = linear or int8_linear
+    return _per_expert(x, topk_weights, topk_ids, first_expert, w13.shape[0], lambda e, rows: linear(
+        silu_and_mul(linear(rows, w13[e], w13_scale[e], None)), w2[e], w2_scale[e], None))
+
+
+def _per_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
+                num_local_experts: int, mlp) -> torch.Tensor:
+    """The per-expert loop: `mlp(expert, rows)` on the rows of each local expert's pairs, weighted and summed per
+    token."""
+    order, counts = sort_by_expert(topk_ids, first_expert, num_local_experts)
     top_k = topk_ids.shape[1]
     rows = order // top_k  # the token of each sorted pair
     gathered = x.index_select(0, rows)
@@ -275,8 +294,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count:
-            part = gathered[start : start + count]
-            expert_out[start : start + count] = F.linear(silu_and_mul(F.linear(part, w13[expert])), w2[expert])
+            expert_out[start : start + count] = mlp(expert, gathered[start : start + count])
             start += count
     weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, rows, expert_out * weights)

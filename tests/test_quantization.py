@@ -252,8 +252,9 @@ def test_the_quantization_setting_is_checked_against_the_checkpoint(source, quan
         load_model(out, ops_for("cpu"), dtype="float32", quantization="ascend")
 
 
-def test_quantized_experts_are_refused_until_they_are_served(tmp_path):
-    moe = make_tiny_model("qwen3_moe", tmp_path / "moe")
+def test_quantized_latent_attention_is_refused_until_it_is_served(tmp_path):
+    """(Quantized experts are served: tests/test_quantized_experts.py.)"""
+    moe = make_tiny_model("deepseek_v2", tmp_path / "moe")
     config = json.loads((moe / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
                                      "config_groups": {"g": {"targets": ["Linear"], "weights": {
@@ -262,7 +263,7 @@ def test_quantized_experts_are_refused_until_they_are_served(tmp_path):
                                                                "strategy": "token", "dynamic": True}}},
                                      "ignore": ["lm_head"]}
     (moe / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="served for dense models; this one has experts"):
+    with pytest.raises(ModelLoadError, match="served for models of plain attention; this one has latent attention"):
         load_model(moe, ops_for("cpu"), dtype="float32")
 
 

@@ -157,11 +157,10 @@ def _quantize(module: LlamaForCausalLM, quant: CompressedTensors | ModelSlim, op
               model_dir: Path) -> None:
     """Give the layers the checkpoint stores in int8 their int8 parameters (still on the meta device)."""
     where = model_dir / "config.json"
-    has_experts = any(isinstance(m, FusedMoE) for m in module.modules())
-    kinds = [kind for kind, present in (("latent attention", module.latent_kv), ("experts", has_experts),
+    kinds = [kind for kind, present in (("latent attention", module.latent_kv),
                                         ("a multi-token-prediction layer", module.mtp is not None)) if present]
     if kinds:
-        raise ModelLoadError(f"{where}: {quant.description} is served for dense models; this one has "
+        raise ModelLoadError(f"{where}: {quant.description} is served for models of plain attention; this one has "
                              f"{' and '.join(kinds)} (not served quantized yet)")
     try:
         quantize_layers(module, quant)

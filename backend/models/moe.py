@@ -28,12 +28,14 @@ from backend.models.architectures import MoeSpec
 from backend.models.layers import MLP
 from npu_llm_kernels.timing import scope
 
-# A checkpoint's expert tensors: one per expert (`experts.3.gate_proj.weight`; Mixtral's w1 / w3 / w2), or
-# transformers 5's stacked layout per layer (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+# A checkpoint's expert tensors: one per expert (`experts.3.gate_proj.weight`; Mixtral's w1 / w3 / w2; a quantized
+# checkpoint's weight_scale beside them, and zero offsets), or transformers 5's stacked layout per layer
+# (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
 EXPERT_TENSOR = re.compile(
-    r"^(?P<block>.+)\.experts\.(?:(?P<expert>\d+)\.(?P<name>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
-    r"|(?P<stacked>gate_up_proj|down_proj))$"
+    r"^(?P<block>.+)\.experts\.(?:(?P<expert>\d+)\.(?P<name>gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.(?P<tensor>weight|weight_scale|weight_offset|weight_zero_point)|(?P<stacked>gate_up_proj|down_proj))$"
 )
+ZERO_OFFSETS = ("weight_offset", "weight_zero_point")  # symmetric int8 weights' offsets: read, checked zero, dropped
 PART_OF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -65,12 +67,31 @@ class FusedMoE(nn.Module):
         shape13 = (self.num_local_experts, 2 * self.intermediate_size, hidden_size)
         self.w13_weight = nn.Parameter(torch.empty(shape13))
         self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate_size))
-        self.loaded: set[tuple[int, str]] = set()  # (local expert, "gate" | "up" | "down") read from the checkpoint
+        self.scheme = None  # an Int8Scheme once quantized (backend/models/quantization.py): W8A8 dynamic only
+        # (local expert, "gate" | "up" | "down", "weight" | "weight_scale") read from the checkpoint
+        self.loaded: set[tuple[int, str, str]] = set()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.first_expert)
+        if self.scheme is None:
+            return self.ops.fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                          self.first_expert)
+        return self.ops.fused_experts_int8(x, self.w13_weight, self.w2_weight, self.w13_weight_scale,
+                                           self.w2_weight_scale, topk_weights, topk_ids, self.first_expert)
+
+    def quantize(self, scheme) -> None:
+        """Hold int8 expert weights and their fp32 scales per output channel ([E, N, 1]), to be loaded from the
+        checkpoint; before loading, on the meta device."""
+        self.scheme = scheme
+        for name in ("w13", "w2"):
+            weight = getattr(self, f"{name}_weight")
+            setattr(self, f"{name}_weight", nn.Parameter(torch.empty_like(weight, dtype=torch.int8),
+                                                          requires_grad=False))
+            setattr(self, f"{name}_weight_scale", nn.Parameter(
+                torch.empty(*weight.shape[:2], 1, device=weight.device), requires_grad=False))
 
     def pack(self) -> None:
+        if self.scheme is not None:
+            return  # int8 experts run as loaded, [E, N, K]
         w13, w2 = self.ops.pack_expert_weights(self.w13_weight.data, self.w2_weight.data)
         for name, packed in (("w13_weight", w13), ("w2_weight", w2)):
             if packed is not getattr(self, name).data:
@@ -83,6 +104,9 @@ class FusedMoE(nn.Module):
         """Copy one checkpoint expert tensor (EXPERT_TENSOR's `match`) into this rank's stacked weights.
         `read(index)` reads the tensor, or the part of it `index` selects, from the file."""
         if match["stacked"]:
+            if self.scheme is not None:
+                raise ValueError(f"tensor {match.string!r}: quantized experts are read one expert at a time "
+                                 "(experts.N.gate_proj.weight and its weight_scale), not stacked")
             last = self.first_expert + self.num_local_experts
             stacked = read((slice(self.first_expert, last),))
             parts = ("gate", "up") if match["stacked"] == "gate_up_proj" else ("down",)
@@ -90,39 +114,53 @@ class FusedMoE(nn.Module):
             for local in range(self.num_local_experts):
                 for i, part in enumerate(parts):
                     whole = stacked[local] if width is None else stacked[local, i * width:(i + 1) * width]
-                    self._copy(local, part, self._shard(whole, part), match.string)
+                    self._copy(local, part, "weight", self._shard(whole, part), match.string)
             return
         local = int(match["expert"]) - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert (expert parallel): not even read
-        part = PART_OF[match["name"]]
-        self._copy(local, part, read(self._shard_index(part)), match.string)
+        part, tensor = PART_OF[match["name"]], match["tensor"]
+        if tensor in ZERO_OFFSETS:
+            if read(()).any():
+                raise ValueError(f"tensor {match.string!r} is not zero: asymmetric int8 weights are not served")
+            return
+        if tensor == "weight_scale" and self.scheme is None:
+            raise ValueError(f"unexpected tensor {match.string!r}: config.json does not quantize these experts")
+        self._copy(local, part, tensor, read(self._shard_index(part, tensor)), match.string)
 
-    def _shard_index(self, part: str):
-        """Which slice of one expert's tensor this rank holds: all of it, or its intermediate columns."""
+    def _shard_index(self, part: str, tensor: str = "weight"):
+        """Which slice of one expert's tensor this rank holds: all of it, or its intermediate columns (of a
+        down projection's weight; the rows of the gate and up projections' weights and scales)."""
         if self.expert_parallel or self.tp.size == 1:
             return ()
         cols = slice(self.tp.rank * self.intermediate_size, (self.tp.rank + 1) * self.intermediate_size)
-        return (slice(None), cols) if part == "down" else (cols,)
+        if part == "down":
+            return (slice(None), cols) if tensor == "weight" else ()
+        return (cols,)
 
     def _shard(self, whole: torch.Tensor, part: str) -> torch.Tensor:
         index = self._shard_index(part)
         return whole[index] if index else whole
 
-    def _copy(self, local: int, part: str, tensor: torch.Tensor, key: str) -> None:
+    def _copy(self, local: int, part: str, tensor: str, value: torch.Tensor, key: str) -> None:
         size = self.intermediate_size
-        dest = {"gate": self.w13_weight.data[local, :size], "up": self.w13_weight.data[local, size:],
-                "down": self.w2_weight.data[local]}[part]
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} for "
+        w13, w2 = getattr(self, f"w13_{tensor}").data, getattr(self, f"w2_{tensor}").data
+        dest = {"gate": w13[local, :size], "up": w13[local, size:], "down": w2[local]}[part]
+        if tuple(value.shape) != tuple(dest.shape):
+            raise ValueError(f"tensor {key!r} has shape {tuple(value.shape)}, expected {tuple(dest.shape)} for "
                              f"expert {self.first_expert + local}'s {part} projection")
-        dest.copy_(tensor)
-        self.loaded.add((local, part))
+        if (dest.dtype == torch.int8) != (value.dtype == torch.int8):
+            raise ValueError(f"tensor {key!r} is {str(value.dtype).removeprefix('torch.')}, where config.json (its "
+                             f"quantization, or its absence) makes it {str(dest.dtype).removeprefix('torch.')}")
+        dest.copy_(value)
+        self.loaded.add((local, part, tensor))
 
     def missing(self) -> list[str]:
-        """The experts' projections the checkpoint did not hold, as `expert 3 up`."""
-        return [f"expert {self.first_expert + local} {part}" for local in range(self.num_local_experts)
-                for part in ("gate", "up", "down") if (local, part) not in self.loaded]
+        """The experts' tensors the checkpoint did not hold, as `expert 3 up` (or `expert 3 up weight_scale`)."""
+        tensors = ("weight",) if self.scheme is None else ("weight", "weight_scale")
+        return [f"expert {self.first_expert + local} {part}" + ("" if tensor == "weight" else f" {tensor}")
+                for local in range(self.num_local_experts) for part in ("gate", "up", "down") for tensor in tensors
+                if (local, part, tensor) not in self.loaded]
 
 
 class SparseMoeBlock(nn.Module):

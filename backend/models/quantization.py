@@ -12,13 +12,14 @@ The schemes served:
 
 - W8A8 dynamic: int8 weights, one scale per output channel (`weight` int8 [N, K], `weight_scale` [N, 1]);
   activations quantized per token as each step runs.
+- W8A8 dynamic experts: a MoE layer's experts, each stored one by one as a dynamic W8A8 layer, on the CPU and CUDA.
 - W8A8 static: the same weights; activations quantized with one calibrated scale per layer (`input_scale` [1]).
   msModelSlim's adds an integer `input_offset` [1] (asymmetric activations) and stores what dequantizes the int32
   sums: `deq_scale` [N] (input_scale * weight_scale; fp32, or int64 as npu_trans_quant_param packs it for fp16
   models) and `quant_bias` [N] int32 (the float bias over deq_scale, less the offset times the weights' row sums).
 
 Everything else a checkpoint may ask for (other bit widths, asymmetric or grouped weights, fp8, a quantized KV
-cache, quantized experts or latent attention) fails the load, naming what was asked: nothing is served in a
+cache, static experts, latent attention) fails the load, naming what was asked: nothing is served in a
 precision other than the checkpoint's.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from backend.config import QUANTIZATION_CHOICES
 from backend.models.layers import Linear
+from backend.models.moe import FusedMoE
 
 FORMAT = "int-quantized"  # compressed-tensors' format for int8 weights stored as int8 tensors
 
@@ -108,7 +110,7 @@ class ModelSlim:
         """The scheme of the checkpoint layer `name`, by its weight's type, as vllm-ascend's get_linear_quant_type
         looks it up; None for FLOAT (and for an output head the description does not list)."""
         kind = self.types.get(f"{name}.weight")
-        if kind is None and not isinstance(module, Linear):
+        if kind is None and name == "lm_head":
             return None
         if kind is None:
             raise UnsupportedQuantization(f"{self.path}: no type for {name}.weight")
@@ -241,12 +243,16 @@ def quantize_layers(model: nn.Module, quantization: CompressedTensors | ModelSli
     """On the meta device, before loading: every layer the checkpoint stores in int8 gets int8 weights and scales.
 
     A fused layer of ours (qkv_proj, gate_up_proj) is several checkpoint layers: they must share one scheme, as
-    in vLLM. Layers outside our linear layers (the output head, the experts, latent attention) are refused when
-    the checkpoint quantizes them.
+    in vLLM. So must a MoE layer's experts (every projection of every expert this rank holds), which are served
+    W8A8 dynamic only, as in vllm-ascend. Other layers (the output head) are refused when the checkpoint quantizes
+    them.
     """
     fused = _fused_parts(model.stacked_params)
+    mixtral = model.config.model_type == "mixtral"
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, FusedMoE):
+            _quantize_experts(name, module, quantization, mixtral)
+        elif isinstance(module, Linear):
             prefix, _, last = name.rpartition(".")
             parts = [f"{prefix}.{part}" for part in fused.get(last, [last])]
             schemes = {part: quantization.scheme_for(part, module) for part in parts}
@@ -261,6 +267,38 @@ def quantize_layers(model: nn.Module, quantization: CompressedTensors | ModelSli
                                           "ignore lm_head)")
 
 
+# What an expert's projection is in the model that wrote the checkpoint (a Linear), for matching a config group's
+# targets by class, as compressed-tensors matches them.
+_CHECKPOINT_LINEAR = nn.Linear(1, 1, device="meta")
+
+
+def _quantize_experts(name: str, module: FusedMoE, quantization: CompressedTensors | ModelSlim,
+                      mixtral: bool) -> None:
+    block = name.removesuffix(".experts")
+    block, parts = (block.replace(".mlp", ".block_sparse_moe"), ("w1", "w3", "w2")) if mixtral else \
+        (block, ("gate_proj", "up_proj", "down_proj"))
+    layers = [f"{block}.experts.{e}.{part}" for e in range(module.first_expert,
+                                                             module.first_expert + module.num_local_experts)
+              for part in parts]
+    schemes = {layer: quantization.scheme_for(layer, _CHECKPOINT_LINEAR) for layer in layers}
+    kinds = set(schemes.values())
+    if len(kinds) > 1:
+        named = {scheme: layer for layer, scheme in schemes.items()}
+        raise UnsupportedQuantization(f"{name}: its experts are quantized differently ("
+                                      + ", ".join(f"{layer}: {s.name if s else None}" for s, layer in named.items())
+                                      + ")")
+    scheme = kinds.pop()
+    if scheme is None:
+        return
+    if not scheme.dynamic:
+        raise UnsupportedQuantization(f"{name}: static {scheme.name} experts are not served (vllm-ascend serves "
+                                      "W8A8 dynamic experts only); quantize them W8A8 dynamic")
+    if not hasattr(module.ops, "fused_experts_int8"):
+        raise UnsupportedQuantization(f"{name}: quantized experts are not served on this device yet (the CPU and "
+                                      "CUDA serve them; the NPU's int8 grouped matmul is next)")
+    module.quantize(scheme)
+
+
 def _fused_parts(stacked_params: dict[str, tuple[str, int]]) -> dict[str, list[str]]:
     """{fused layer: its checkpoint layers in order}, from a model's {checkpoint layer: (fused layer, index)}."""
     fused: dict[str, list[str]] = {}
@@ -272,6 +310,10 @@ def _fused_parts(stacked_params: dict[str, tuple[str, int]]) -> dict[str, list[s
 def check_scales(model: nn.Module) -> None:
     """After loading: every scale finite, input scales positive (a zero or NaN scale serves garbage, silently)."""
     for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and module.scheme is not None:
+            for scales in ("w13_weight_scale", "w2_weight_scale"):
+                if not torch.isfinite(getattr(module, scales)).all():
+                    raise UnsupportedQuantization(f"{name}: an expert's weight_scale holds a value that is not finite")
         if isinstance(module, Linear) and module.scheme is not None:
             if not torch.isfinite(module.weight_scale).all():
                 raise UnsupportedQuantization(f"{name}: weight_scale holds a value that is not finite")
