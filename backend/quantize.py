@@ -156,7 +156,8 @@ def _modelslim_layer(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
                      input_range: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """One linear layer's msModelSlim tensors, from its fp32 weight [N, K] (and bias, and the least and greatest
     value its input reached, for static activations)."""
-    weight_scale = (weight.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    absmax = weight.abs().amax(dim=1, keepdim=True)
+    weight_scale = torch.where(absmax > 0, absmax / 127, 1.0)  # (an all-zero row: any scale; 1 keeps deq normal)
     weight_scale = weight_scale.to(dtype).float()  # (the int8 weights are made with the scale as stored)
     q = torch.round(weight / weight_scale).clamp(-128, 127)
     layer = {"weight": q.to(torch.int8), "weight_scale": weight_scale.to(dtype),
@@ -164,13 +165,15 @@ def _modelslim_layer(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
     if input_range is None:
         return layer
     low, high = input_range[0].clamp(max=0), input_range[1].clamp(min=0)  # (zero stays exact)
-    input_scale = ((high - low) / 255).clamp_min(torch.finfo(torch.float32).tiny).to(dtype).float().reshape(1)
+    input_scale = torch.where(high > low, (high - low) / 255, 1.0).to(dtype).float().reshape(1)
     input_offset = torch.round(-128 - low / input_scale).clamp(-128, 127).reshape(1)
     deq_scale = input_scale * weight_scale.reshape(-1)
     if dtype == torch.float16:  # (stored packed, which keeps 19 of its bits: quant_bias is made with those)
         deq_scale = deq_scale_from_int64(deq_scale_to_int64(deq_scale))
     float_bias = torch.zeros(weight.shape[0]) if bias is None else bias
     quant_bias = torch.round(float_bias / deq_scale) - input_offset * q.sum(dim=1)
+    if quant_bias.abs().max() >= 2 ** 31:
+        raise ValueError(f"a bias of {float_bias.abs().max().item()} over deq_scale overflows quant_bias's int32")
     layer.update(input_scale=input_scale.to(dtype), input_offset=input_offset.to(dtype),
                  quant_bias=quant_bias.to(torch.int32),
                  deq_scale=deq_scale_to_int64(deq_scale) if dtype == torch.float16 else deq_scale)

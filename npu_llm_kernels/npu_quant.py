@@ -47,6 +47,10 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         offset = torch.zeros(k, dtype=x.dtype, device=x.device) if input_offset is None else \
             input_offset.to(x.dtype).repeat(k)
         quantized = torch_npu.npu_quantize(flat, reciprocal, offset, torch.qint8, -1, False)
-        y = torch_npu.npu_quant_matmul(quantized, weight, input_scale.float() * scale, bias=bias,
-                                       output_dtype=x.dtype)
+        deq_scale = input_scale.float() * scale
+        if bias is not None and x.dtype == torch.float16:
+            # Without per-token scales an fp16 output takes an int32 bias only, added to the int32 sums: the float
+            # bias over deq_scale (an msModelSlim layer's quant_bias again, exactly, as its fold made it).
+            bias = torch.round(bias / deq_scale).to(torch.int32)
+        y = torch_npu.npu_quant_matmul(quantized, weight, deq_scale, bias=bias, output_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[1])

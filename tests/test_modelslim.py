@@ -106,7 +106,8 @@ def _vllm_ascend_arithmetic(model: nn.Module, tensors: dict[str, torch.Tensor]) 
 @pytest.mark.slow
 def test_two_ranks_serve_a_static_checkpoint_as_one(source, tmp_path, default_model_dir):
     """Column-parallel layers take their rows of quant_bias and deq_scale; row-parallel ones read them whole and add
-    them once, after the all-reduce, though each rank's share of the input carries the offset."""
+    them once, on rank 0, though each rank's share of the input carries the offset (in fp32; see
+    docs/quantization.md for bf16)."""
     out = quantize_checkpoint(str(source), tmp_path / "w8a8", "w8a8", tokenizer=default_model_dir, format="ascend")
     alone, _ = _generate(out, default_model_dir, 1, quantization="ascend")
     sharded, _ = _generate(out, default_model_dir, 2, quantization="ascend")
@@ -176,6 +177,8 @@ def _set(key, value):
     (_set("model.layers.1.self_attn.k_proj.input_offset", torch.tensor([7.0])), None,
      "qkv_proj: its parts, which see one input, have different input scales .* or offsets"),
     (_set(Q + "deq_scale", torch.zeros(64)), None, "deq_scale must be finite and positive"),
+    (_set("model.layers.0.input_layernorm.bias", torch.zeros(64)), None,
+     "norm biases \\(model.layers.0.input_layernorm.bias, ...\\) from msModelSlim's anti-outlier suppression"),
 ])
 def test_a_checkpoint_its_description_does_not_fit_fails_naming_the_tensor(source, tmp_path, default_model_dir,
                                                                           tensors, description, message):

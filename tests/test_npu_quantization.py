@@ -13,25 +13,27 @@ from tests.conftest import make_tiny_model
 VOCAB = 49152
 
 
-@pytest.mark.parametrize("static, offset", [(False, None), (True, None), (True, 5.0)])
-def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static, offset):
-    """(offset: msModelSlim's asymmetric activations, npu_quantize's zero_points)"""
+@pytest.mark.parametrize("static, offset, dtype", [(False, None, torch.bfloat16), (True, None, torch.bfloat16),
+                                                   (True, 5.0, torch.bfloat16), (True, 5.0, torch.float16),
+                                                   (False, None, torch.float16)])
+def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static, offset, dtype):
+    """(offset: msModelSlim's asymmetric activations, npu_quantize's zero_points; fp16 static: the bias as int32,
+    which is all the op takes there)"""
     from npu_llm_kernels import npu, torch_ref
 
     torch.manual_seed(0)
     rows, k, n = 9, 128, 96
-    x, bias = torch.randn(rows, k).bfloat16(), torch.randn(n)
+    x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
     weight, weight_scale = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, 1) / 100
     input_scale = x.float().abs().amax().reshape(1) / 127.5 if static else None
     input_offset = None if offset is None else torch.tensor([offset])
     packed = npu.pack_int8_weight(weight.to("npu"))
     assert packed.shape == (k, n) and fake_npu.get_npu_format(packed) == 29
     ours = npu.int8_linear(x.to("npu"), packed, weight_scale.to("npu"),
-                           None if input_scale is None else input_scale.to("npu"), bias.bfloat16().to("npu"),
+                           None if input_scale is None else input_scale.to("npu"), bias.to("npu"),
                            None if input_offset is None else input_offset.to("npu"))
-    expected = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(),
-                                     input_offset)
-    assert ours.device.type == "npu" and ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    expected = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.float(), input_offset)
+    assert ours.device.type == "npu" and ours.dtype == dtype and ours.shape == (rows, n)
     # one int8 step of an activation moves an output by about |w| * scale_x * scale_w: within 3% of the largest
     assert (ours.cpu().float() - expected).abs().max() < 0.03 * expected.abs().max()
     quantize = "npu_quantize" if static else "npu_dynamic_quant"
@@ -59,6 +61,8 @@ def test_npu_quant_ops_reject_what_the_real_ops_reject(fake_npu):
         (lambda: fake_npu.npu_quant_matmul(q, w, torch.rand(5).to("npu"), output_dtype=torch.bfloat16),
          "scale must be 1-D \\[1\\] or \\[N=32\\]"),
         (lambda: fake_npu.npu_quant_matmul(q, w, scale.cpu(), output_dtype=torch.bfloat16), "scale must be on the NPU"),
+        (lambda: fake_npu.npu_quant_matmul(q, w, scale, bias=scale, output_dtype=torch.float16),
+         "an fp16 output without pertoken_scale takes an int32 bias"),
     ]
     for call, message in cases:
         with pytest.raises(fake_npu.NpuOpError, match=message):

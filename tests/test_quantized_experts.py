@@ -135,7 +135,7 @@ def _set(key, value):
     (lambda t: t.pop(EXPERT + "up_proj.weight_scale"),  # (msModelSlim's description names it first)
      f"lacks tensors for .*expert 1 up weight_scale|lacks: {EXPERT}up_proj.weight_scale"),
     (_set(EXPERT + "gate_proj.weight", torch.zeros(32, 64)), f"tensor '{EXPERT}gate_proj.weight' is float32, where "
-                                                             "config.json .* makes it int8"),
+                                                             "the checkpoint's quantization .* makes it int8"),
     (_set(EXPERT + "down_proj.weight_scale", torch.ones(3, 1)), f"'{EXPERT}down_proj.weight_scale' has shape \\(3, 1\\)"),
     (_set(EXPERT + "down_proj.weight_scale", torch.full((64, 1), float("nan"))), "weight_scale holds a value that is "
                                                                                   "not finite"),

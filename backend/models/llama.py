@@ -229,14 +229,14 @@ class LlamaForCausalLM(nn.Module):
             return 0, rank * intermediate, intermediate
         if key.endswith("down_proj.weight"):
             return 1, rank * intermediate, intermediate
-        return None  # the row-parallel bias (added once, after the all-reduce)
+        return None  # the row-parallel bias (added once, by rank 0)
 
     def _checkpoint_shard_outside_mlp(self, key: str, attn: Attention, rank: int):
         if key.endswith("o_proj.weight"):
             return 1, rank * attn.q_size, attn.q_size
         if key.endswith(("embed_tokens.weight", "lm_head.weight")):
             return 0, self.model.embed_tokens.start, self.model.embed_tokens.num_embeddings
-        return None  # norms, and the row-parallel biases (added once, after the all-reduce)
+        return None  # norms, and the row-parallel biases (added once, by rank 0)
 
     def init_rope(self, max_positions: int) -> None:
         weight = self.model.embed_tokens.weight

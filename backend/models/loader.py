@@ -156,7 +156,7 @@ def load_model(
 def _quantize(module: LlamaForCausalLM, quant: CompressedTensors | ModelSlim, ops: ModuleType,
               model_dir: Path) -> None:
     """Give the layers the checkpoint stores in int8 their int8 parameters (still on the meta device)."""
-    where = model_dir / "config.json"
+    where = quant.path if isinstance(quant, ModelSlim) else model_dir / "config.json"
     kinds = [kind for kind, present in (("latent attention", module.latent_kv),
                                         ("a multi-token-prediction layer", module.mtp is not None)) if present]
     if kinds:

@@ -150,8 +150,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"tensor {key!r} has shape {tuple(value.shape)}, expected {tuple(dest.shape)} for "
                              f"expert {self.first_expert + local}'s {part} projection")
         if (dest.dtype == torch.int8) != (value.dtype == torch.int8):
-            raise ValueError(f"tensor {key!r} is {str(value.dtype).removeprefix('torch.')}, where config.json (its "
-                             f"quantization, or its absence) makes it {str(dest.dtype).removeprefix('torch.')}")
+            raise ValueError(f"tensor {key!r} is {str(value.dtype).removeprefix('torch.')}, where the checkpoint's "
+                             f"quantization (or its absence) makes it {str(dest.dtype).removeprefix('torch.')}")
         dest.copy_(value)
         self.loaded.add((local, part, tensor))
 

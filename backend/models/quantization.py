@@ -53,6 +53,8 @@ MODELSLIM_SCHEMES = {"W8A8": Int8Scheme("W8A8", dynamic=False, modelslim=True),
                      "W8A8_DYNAMIC": Int8Scheme("W8A8_DYNAMIC", dynamic=True, modelslim=True)}
 MODELSLIM_FLOAT = "FLOAT"  # a layer msModelSlim kept in its precision
 MODELSLIM_DESCRIPTION = "quant_model_description.json"
+# What says a checkpoint's tensors are quantized, for the messages of a tensor its description does not fit
+DESCRIPTION = f"the checkpoint's description (config.json's quantization_config, {MODELSLIM_DESCRIPTION}, or neither)"
 # Keys of the description that are not tensors, and that ask for what is not served (a quantized KV cache, quantized
 # attention): refused. Others (model_quant_type, version, group_size) say nothing a W8A8 layer reads.
 MODELSLIM_REFUSED_KEYS = {"kv_cache_type": "a quantized KV cache", "fa_quant_type": "quantized attention",
@@ -113,12 +115,12 @@ class ModelSlim:
         if kind is None and name == "lm_head":
             return None
         if kind is None:
-            raise UnsupportedQuantization(f"{self.path}: no type for {name}.weight")
+            raise UnsupportedQuantization(f"no type for {name}.weight")
         if kind == MODELSLIM_FLOAT:
             return None
         if kind not in MODELSLIM_SCHEMES:
             raise UnsupportedQuantization(
-                f"{self.path}: {name}.weight is {kind}, which is not served; npu-llm runs msModelSlim's "
+                f"{name}.weight is {kind}, which is not served; npu-llm runs msModelSlim's "
                 f"{', '.join(MODELSLIM_SCHEMES)} and {MODELSLIM_FLOAT} layers")
         return MODELSLIM_SCHEMES[kind]
 
@@ -128,8 +130,14 @@ class ModelSlim:
 
     def check_tensors(self, stored: set[str], where: Path) -> None:
         """Every tensor the description names is in the checkpoint (a description of another checkpoint, or a
-        checkpoint cut short, would otherwise serve whatever the layers were left holding)."""
-        missing = sorted(set(self.types) - stored)
+        checkpoint cut short, would otherwise serve whatever the layers were left holding), but an output head
+        tied to the embedding. Norm biases (msModelSlim's anti-outlier "m4" writes them) are refused by name."""
+        norm_biases = sorted(key for key in stored if key.endswith("norm.bias"))
+        if norm_biases:
+            raise UnsupportedQuantization(
+                f"{where}: norm biases ({norm_biases[0]}, ...) from msModelSlim's anti-outlier suppression are not "
+                "served yet; quantize without anti-outlier (or with a method that writes none)")
+        missing = sorted(set(self.types) - stored - {"lm_head.weight"})
         if missing:
             raise UnsupportedQuantization(
                 f"{self.path} names tensors {where} lacks: {', '.join(missing[:5])}"
@@ -264,7 +272,7 @@ def quantize_layers(model: nn.Module, quantization: CompressedTensors | ModelSli
                 module.quantize(schemes[parts[0]], len(parts))
         elif isinstance(module, nn.Linear) and quantization.scheme_for(name, module) is not None:
             raise UnsupportedQuantization(f"{name}: a quantized {name} is not served yet (llm-compressor's recipes "
-                                          "ignore lm_head)")
+                                          "and msModelSlim's leave the output head in its precision)")
 
 
 # What an expert's projection is in the model that wrote the checkpoint (a Linear), for matching a config group's
@@ -324,15 +332,15 @@ def check_scales(model: nn.Module) -> None:
 
 
 def check_loaded_dtype(param: torch.Tensor, tensor: torch.Tensor, key: str, path: Path) -> None:
-    """A tensor may fill a parameter only in its precision: an int8 weight where config.json says float, or a float
-    one where it says int8, is a checkpoint its config does not describe (copying would cast it silently)."""
+    """A tensor may fill a parameter only in its precision: an int8 weight where the checkpoint's description says
+    float, or a float one where it says int8, is a checkpoint its description does not fit (copying would cast it
+    silently)."""
     if param.dtype.is_floating_point != tensor.dtype.is_floating_point or \
             (not param.dtype.is_floating_point and param.dtype != tensor.dtype):
         def name(dtype):
             return str(dtype).removeprefix("torch.")
         raise UnsupportedQuantization(
-            f"{path}: tensor {key!r} is {name(tensor.dtype)}, where config.json (its quantization_config, or its "
-            f"absence) makes it {name(param.dtype)}")
+            f"{path}: tensor {key!r} is {name(tensor.dtype)}, where {DESCRIPTION} makes it {name(param.dtype)}")
 
 
 # msModelSlim's offsets are integers, stored in whatever dtype (vllm-ascend's input_offset parameter is int8, its

@@ -119,15 +119,20 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         _require(bias.shape == (n,), f"{name}: bias must be [N={n}], got {list(bias.shape)}")
         _require(bias.dtype in (torch.int32, torch.float32, torch.bfloat16),
                  f"{name}: bias must be int32, fp32 or bf16, got {bias.dtype}")
+        _require(bias.dtype == torch.int32 or output_dtype == torch.bfloat16 or pertoken_scale is not None,
+                 f"{name}: an fp16 output without pertoken_scale takes an int32 bias, got {bias.dtype}")
     y = torch.empty(x1.shape[0], n, dtype=output_dtype, device=x1.device)
     _graphs.launch(_quant_matmul, ("y",), x1=x1, x2=x2, scale=scale, pertoken_scale=pertoken_scale, bias=bias, y=y)
     return y
 
 
 def _quant_matmul(x1, x2, scale, pertoken_scale, bias, y):
-    out = (x1.int() @ x2.int()).float() * scale.float()  # int32 accumulation, then the scales
+    sums = x1.int() @ x2.int()  # int32 accumulation; an int32 bias joins the sums, a float one the result
+    if bias is not None and bias.dtype == torch.int32:
+        sums = sums + bias
+    out = sums.float() * scale.float()
     if pertoken_scale is not None:
         out = out * pertoken_scale.unsqueeze(-1)
-    if bias is not None:
+    if bias is not None and bias.dtype != torch.int32:
         out = out + bias.float()
     y.copy_(out)
