@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from npu_llm_kernels import torch_ref
 from npu_llm_kernels.timing import scope
-from npu_llm_kernels.torch_ref import pack_int8_weight  # noqa: F401  (int8 weights stay [N, K])
+from npu_llm_kernels.torch_ref import pack_int8_expert_weights, pack_int8_weight  # noqa: F401  (int8 stays [N, K])
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features
 from npu_llm_kernels.metadata import AttentionMetadata
@@ -141,22 +141,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x.float(), weight, bias, "none", [None], "").to(x.dtype)
 
 
+# From this many rows, with VNNI, oneDNN's int8 GEMM; below, the AVX2 kernel, which measured faster on an AMD Zen 4
+# (AVX512-VNNI; one layer of the default model, bf16 activations): at 1 row 19 us against oneDNN's 56, at 8 rows
+# 68-85 against 102-113, at 64 rows 538-652 against 289-301.
+ONEDNN_INT8_ROWS = 16
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                 bias: torch.Tensor | None = None, input_offset: torch.Tensor | None = None) -> torch.Tensor:
     """torch_ref.int8_linear's W8A8 matmul, with the weights int8 in memory and the int8 products summed exactly.
 
-    With AVX512-VNNI: oneDNN's int8 GEMM (torch._int_mm, int32 accumulators) on activations quantized by torch_ref.
-    Without it oneDNN's int8 GEMM is not used: it multiplies through 16-bit intermediates that saturate on full-range
-    int8 weights (measured on an AVX2 EPYC: errors of 2.3 on outputs of 14; exact with |w| <= 63). There
-    csrc/linear_int8_avx2.cpp quantizes the activations (fp32 or bf16) and multiplies in 16 bits with 32-bit sums.
-    Elsewhere (no extension, K not a multiple of 16, fp16): torch_ref.
+    With AVX512-VNNI, from ONEDNN_INT8_ROWS rows: oneDNN's int8 GEMM (torch._int_mm, int32 accumulators) on
+    activations quantized by torch_ref. Without VNNI oneDNN's int8 GEMM is not used: it multiplies through 16-bit
+    intermediates that saturate on full-range int8 weights (measured on an AVX2 EPYC: errors of 2.3 on outputs of
+    14; exact with |w| <= 63). There, and below ONEDNN_INT8_ROWS rows, csrc/linear_int8_avx2.cpp quantizes the
+    activations (fp32 or bf16) and multiplies in 16 bits with 32-bit sums. Elsewhere (no extension, K not a multiple
+    of 16, fp16): torch_ref.
     """
     features, ext = cpu_features(), _extension()
-    if features.vnni and _enabled():
+    kernel = ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
+        x.dtype in (torch.float32, torch.bfloat16)
+    if features.vnni and _enabled() and not (kernel and x.numel() // x.shape[-1] < ONEDNN_INT8_ROWS):
         return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset,
                                      int8_matmul=_onednn_int8_matmul)
-    if ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
-            x.dtype in (torch.float32, torch.bfloat16):
+    if kernel:
         return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias, input_offset)
     return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset)
 

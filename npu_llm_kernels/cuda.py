@@ -11,6 +11,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     fused_experts,
     fused_experts_int8,
     int8_linear,
+    pack_int8_expert_weights,
     pack_int8_weight,
     linear,
     pack_expert_weights,

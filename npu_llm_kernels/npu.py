@@ -19,7 +19,7 @@ import torch_npu
 
 from npu_llm_kernels.metadata import AttentionMetadata, GraphCapture
 from npu_llm_kernels.npu_mla import NpuMLA as MLA  # noqa: F401  (DeepSeek's latent attention: its own ops)
-from npu_llm_kernels.npu_quant import int8_linear, pack_int8_weight  # noqa: F401  (W8A8: its own ops)
+from npu_llm_kernels.npu_quant import ACL_FORMAT_FRACTAL_NZ, int8_linear, pack_int8_weight  # noqa: F401  (W8A8)
 from npu_llm_kernels.timing import scope
 from npu_llm_kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
 from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts
@@ -239,21 +239,7 @@ def pack_expert_weights(w13, w2):
 def fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert=0):
     """Experts first_expert .. first_expert + E_local - 1 (w13 / w2 as pack_expert_weights made them); the pairs
     that chose other experts add nothing (the caller sums over ranks)."""
-    num_tokens, top_k = topk_ids.shape
-    end = first_expert + w13.shape[0]
-    with scope("moe.dispatch"):
-        # OP: npu_moe_init_routing_v2(x, expert_idx, *, ..., int active_num=-1, int expert_num=-1, ...,
-        #   int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1,
-        #   int[2] active_expert_range=[], ...) -> (expanded_x, expanded_row_idx, counts, expanded_scale).
-        # As VA's TokenDispatcherWithAllGather.token_dispatch calls it (token_dispatcher.py): all T*K pairs, counts
-        # per local expert (type 1), this rank's range. VA's expert_num is the global expert count, which this
-        # signature does not carry: ids above the range are clamped to `end` (still outside it), so end + 1 bounds
-        # every id as the op requires.
-        expanded_x, row_idx, counts, _ = torch_npu.npu_moe_init_routing_v2(
-            x, topk_ids.to(torch.int32).clamp(max=end), active_num=num_tokens * top_k, expert_num=end + 1,
-            expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[first_expert, end],
-            quant_mode=-1,
-        )
+    expanded_x, row_idx, counts, _ = _dispatch(x, topk_ids, first_expert, w13.shape[0], quant_mode=-1)
     with scope("moe.experts"):
         # VA moe_mlp.py unquant_apply_mlp: npu_grouped_matmul(x=[h], weight=[w], split_item=2, group_list_type=1
         # (counts, as the dispatcher sets it), group_type=0, group_list=counts int64)[0], npu_swiglu between.
@@ -262,6 +248,57 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert=0):
         gmm = dict(split_item=2, group_list_type=1, group_type=0, group_list=group_list)
         h = torch_npu.npu_grouped_matmul([expanded_x], [w13], **gmm)[0]
         h = torch_npu.npu_grouped_matmul([torch_npu.npu_swiglu(h)], [w2], **gmm)[0]
+    return _combine(h, row_idx, topk_weights, x.dtype)
+
+
+def pack_int8_expert_weights(w13, w2):
+    # VA w8a8_dynamic.py AscendW8A8DynamicFusedMoEMethod.process_weights_after_loading: transpose(1, 2) to
+    # [E, K, N], then npu_format_cast(w, 29) unconditionally ("npu_grouped_matmul_swiglu_quant can only support
+    # weight nz").
+    return tuple(torch_npu.npu_format_cast(w.transpose(1, 2).contiguous(), ACL_FORMAT_FRACTAL_NZ) for w in (w13, w2))
+
+
+def fused_experts_int8(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, first_expert=0):
+    """W8A8 dynamic experts (w13 / w2 as pack_int8_expert_weights made them, scales [E, N, 1]), as VA's
+    AscendW8A8DynamicFusedMoEMethod runs them with its gmm-swiglu-quant fusion off (moe_mlp.py quant_apply_mlp,
+    non-MC2): the routing quantizes each pair's row (quant_mode=1: absmax / 127, its fp32 scale beside it), a
+    grouped int8 matmul with the per-channel and per-token scales, npu_swiglu, npu_dynamic_quant, and the second
+    grouped int8 matmul. The scales go in the output's dtype (the op's table: bf16 scales for a bf16 output; an
+    fp16 output takes fp32 ones), [E, N] as VA passes them."""
+    expanded_x, row_idx, counts, expanded_scale = _dispatch(x, topk_ids, first_expert, w13.shape[0], quant_mode=1)
+    scale_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    with scope("moe.experts"):
+        gmm = dict(split_item=2, group_list_type=1, group_type=0, group_list=counts.to(torch.int64),
+                   output_dtype=x.dtype)
+        h = torch_npu.npu_grouped_matmul([expanded_x], [w13], scale=[w13_scale.squeeze(-1).to(scale_dtype)],
+                                         per_token_scale=[expanded_scale], **gmm)[0]
+        h, pertoken_scale = torch_npu.npu_dynamic_quant(torch_npu.npu_swiglu(h), dst_type=torch.int8)
+        h = torch_npu.npu_grouped_matmul([h], [w2], scale=[w2_scale.squeeze(-1).to(scale_dtype)],
+                                         per_token_scale=[pertoken_scale], **gmm)[0]
+    return _combine(h, row_idx, topk_weights, x.dtype)
+
+
+def _dispatch(x, topk_ids, first_expert, num_local_experts, quant_mode):
+    """(expanded_x, row_idx, counts, expanded_scale): the pairs of this rank's experts sorted by expert."""
+    num_tokens, top_k = topk_ids.shape
+    end = first_expert + num_local_experts
+    with scope("moe.dispatch"):
+        # OP: npu_moe_init_routing_v2(x, expert_idx, *, ..., int active_num=-1, int expert_num=-1, ...,
+        #   int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1,
+        #   int[2] active_expert_range=[], ...) -> (expanded_x, expanded_row_idx, counts, expanded_scale).
+        # As VA's TokenDispatcherWithAllGather.token_dispatch calls it (token_dispatcher.py): all T*K pairs, counts
+        # per local expert (type 1), this rank's range. VA's expert_num is the global expert count, which this
+        # signature does not carry: ids above the range are clamped to `end` (still outside it), so end + 1 bounds
+        # every id as the op requires. quant_mode 1 quantizes each row to int8 (VA's W8A8 dynamic MoE).
+        return torch_npu.npu_moe_init_routing_v2(
+            x, topk_ids.to(torch.int32).clamp(max=end), active_num=num_tokens * top_k, expert_num=end + 1,
+            expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[first_expert, end],
+            quant_mode=quant_mode,
+        )
+
+
+def _combine(h, row_idx, topk_weights, dtype):
+    """Each token's pairs' rows of h, weighted and summed."""
     with scope("moe.combine"):
         # OP: npu_moe_token_unpermute(permuted_tokens, sorted_indices int32 [T*K], probs [T, K]) -> [T, H]:
         # out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t*K + k]]; the doc wants sorted_indices a
@@ -272,4 +309,4 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert=0):
         n = held.sum()
         h = h.masked_fill((torch.arange(len(h), device=h.device) >= n)[:, None], 0)
         sorted_indices = torch.where(held, row_idx, (~held).cumsum(0) - 1 + n).to(torch.int32)
-        return torch_npu.npu_moe_token_unpermute(h, sorted_indices, probs=topk_weights.to(x.dtype))
+        return torch_npu.npu_moe_token_unpermute(h, sorted_indices, probs=topk_weights.to(dtype))

@@ -271,6 +271,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                        lambda e, rows: F.linear(silu_and_mul(F.linear(rows, w13[e])), w2[e]))
 
 
+def pack_int8_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 expert weights in the layout fused_experts_int8 runs from (here: as they are, [E, N, K])."""
+    return w13, w2
+
+
 def fused_experts_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                        w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        first_expert: int = 0, linear=None) -> torch.Tensor:

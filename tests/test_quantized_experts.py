@@ -147,7 +147,7 @@ def test_a_bad_expert_tensor_fails_the_load_naming_it(quantized_moe, tmp_path, e
         load_model(bad, ops_for("cpu"), dtype="float32", quantization=_quantization(format))
 
 
-def test_static_experts_and_experts_on_the_npu_are_refused(quantized_moe, tmp_path, fake_npu):
+def test_static_experts_are_refused(quantized_moe, tmp_path):
     format, out, _ = quantized_moe
     if format == "ascend":
         static = rewrite_checkpoint(out, tmp_path, config=MODELSLIM_DESCRIPTION, change_config=lambda d: d.update(
@@ -157,8 +157,31 @@ def test_static_experts_and_experts_on_the_npu_are_refused(quantized_moe, tmp_pa
             "experts"]["input_activations"].update(strategy="tensor", dynamic=False))
     with pytest.raises(ModelLoadError, match="static .* experts are not served"):
         load_model(static, ops_for("cpu"), dtype="float32", quantization=_quantization(format))
-    with pytest.raises(ModelLoadError, match="quantized experts are not served on this device yet"):
-        load_model(out, ops_for("npu"), device="npu", dtype="bfloat16", quantization=_quantization(format))
+
+
+def test_the_npu_serves_quantized_experts_as_vllm_ascend_runs_them(quantized_moe, fake_npu, monkeypatch,
+                                                                   default_model_dir):
+    """On the fake torch_npu, in bf16: the routing quantizes each pair's row, two grouped int8 matmuls with their
+    scales, the weights in FRACTAL_NZ. Each prompt's first greedy token is among the CPU's five most likely (the NPU
+    divides by 127 where the CPU divides by 127.5), and every KV block returns."""
+    from backend import LLM, SamplingParams
+
+    format, out, _ = quantized_moe
+    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+               for n in (7, 40)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    args = dict(model=str(out), tokenizer=str(default_model_dir), dtype="bfloat16", num_kv_blocks=8,
+                quantization=_quantization(format), enforce_eager=True)
+    with LLM(device="npu", **args) as llm:
+        on_npu = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.num_free_blocks == 8
+    assert fake_npu.calls["npu_grouped_matmul"] > 0 and fake_npu.calls["npu_dynamic_quant"] > 0
+    assert fake_npu.calls["npu_format_cast"] > 0  # (the int8 weights, dense and expert, in FRACTAL_NZ)
+    monkeypatch.setenv("NPU_LLM_CPU_KERNELS", "0")
+    with LLM(device="cpu", block_size=128, **args) as llm:
+        on_cpu = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for npu_out, cpu_out in zip(on_npu, on_cpu):
+        assert len(npu_out.token_ids) == 4 and npu_out.token_ids[0] in cpu_out.logprobs[0]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

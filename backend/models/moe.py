@@ -90,9 +90,8 @@ class FusedMoE(nn.Module):
                 torch.empty(*weight.shape[:2], 1, device=weight.device), requires_grad=False))
 
     def pack(self) -> None:
-        if self.scheme is not None:
-            return  # int8 experts run as loaded, [E, N, K]
-        w13, w2 = self.ops.pack_expert_weights(self.w13_weight.data, self.w2_weight.data)
+        pack = self.ops.pack_expert_weights if self.scheme is None else self.ops.pack_int8_expert_weights
+        w13, w2 = pack(self.w13_weight.data, self.w2_weight.data)
         for name, packed in (("w13_weight", w13), ("w2_weight", w2)):
             if packed is not getattr(self, name).data:
                 delattr(self, name)

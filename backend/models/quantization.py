@@ -12,7 +12,7 @@ The schemes served:
 
 - W8A8 dynamic: int8 weights, one scale per output channel (`weight` int8 [N, K], `weight_scale` [N, 1]);
   activations quantized per token as each step runs.
-- W8A8 dynamic experts: a MoE layer's experts, each stored one by one as a dynamic W8A8 layer, on the CPU and CUDA.
+- W8A8 dynamic experts: a MoE layer's experts, each stored one by one as a dynamic W8A8 layer.
 - W8A8 static: the same weights; activations quantized with one calibrated scale per layer (`input_scale` [1]).
   msModelSlim's adds an integer `input_offset` [1] (asymmetric activations) and stores what dequantizes the int32
   sums: `deq_scale` [N] (input_scale * weight_scale; fp32, or int64 as npu_trans_quant_param packs it for fp16
@@ -301,9 +301,6 @@ def _quantize_experts(name: str, module: FusedMoE, quantization: CompressedTenso
     if not scheme.dynamic:
         raise UnsupportedQuantization(f"{name}: static {scheme.name} experts are not served (vllm-ascend serves "
                                       "W8A8 dynamic experts only); quantize them W8A8 dynamic")
-    if not hasattr(module.ops, "fused_experts_int8"):
-        raise UnsupportedQuantization(f"{name}: quantized experts are not served on this device yet (the CPU and "
-                                      "CUDA serve them; the NPU's int8 grouped matmul is next)")
     module.quantize(scheme)
 
 

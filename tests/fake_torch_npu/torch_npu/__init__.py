@@ -355,8 +355,10 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
              f"{name}: active_expert_range must be [start, end) with end <= expert_num={expert_num}, "
              f"got {list(active_expert_range)}")
     _require(expert_tokens_num_type in (0, 1, 2), f"{name}: expert_tokens_num_type must be 0, 1 or 2")
-    _not_in_fake(name, quant_mode == -1 and scale is None and offset is None and x_dtype is None,
-                 "quantisation (quant_mode, scale, offset, x_dtype)")
+    _not_in_fake(name, quant_mode in (-1, 1) and scale is None and offset is None and x_dtype is None,
+                 "quantisation other than int8 dynamic (quant_mode 1) without smoothing scales")
+    _require(quant_mode == -1 or x.dtype in _FLOAT, f"{name}: quant_mode={quant_mode} quantizes a float x, got "
+                                                   f"{x.dtype}")
     _not_in_fake(name, drop_pad_mode == 0 and row_idx_type == 0, "drop/pad mode or scatter indices")
     _not_in_fake(name, expert_tokens_num_flag and expert_tokens_num_type != 2, "no counts, or key-value counts")
     pairs = expert_idx.numel()
@@ -364,16 +366,19 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     if pairs and not _graphs.is_capturing():  # (a capture cannot read device values back)
         _require(0 <= int(expert_idx.min()) and int(expert_idx.max()) < expert_num,
                  f"{name}: expert ids must be in [0, expert_num={expert_num})")
-    expanded_x = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=x.device)
+    quantized = quant_mode == 1
+    expanded_x = torch.empty(pairs, x.shape[1], dtype=torch.int8 if quantized else x.dtype, device=x.device)
     expanded_row_idx = torch.empty(pairs, dtype=torch.int32, device=x.device)
     counts = torch.empty(end - start, dtype=torch.int64, device=x.device)
-    _graphs.launch(_init_routing, ("expanded_x", "expanded_row_idx", "counts"), x=x, expert_idx=expert_idx,
-                   start=start, end=end, cumsum=expert_tokens_num_type == 0, expanded_x=expanded_x,
-                   expanded_row_idx=expanded_row_idx, counts=counts)
-    return expanded_x, expanded_row_idx, counts, torch.empty(0, dtype=torch.float32, device=x.device)
+    expanded_scale = torch.empty(pairs if quantized else 0, dtype=torch.float32, device=x.device)
+    _graphs.launch(_init_routing, ("expanded_x", "expanded_row_idx", "counts", "expanded_scale"), x=x,
+                   expert_idx=expert_idx, start=start, end=end, cumsum=expert_tokens_num_type == 0,
+                   expanded_x=expanded_x, expanded_row_idx=expanded_row_idx, counts=counts,
+                   expanded_scale=expanded_scale)
+    return expanded_x, expanded_row_idx, counts, expanded_scale
 
 
-def _init_routing(x, expert_idx, start, end, cumsum, expanded_x, expanded_row_idx, counts):
+def _init_routing(x, expert_idx, start, end, cumsum, expanded_x, expanded_row_idx, counts, expanded_scale):
     # The doc's equivalent code (dropless, gather index): the pairs of experts in [start, end) sorted by expert,
     # stably; expanded_row_idx[(t, k) flat] is where the pair landed, -1 for experts outside the range.
     flat = expert_idx.reshape(-1).long()
@@ -382,7 +387,14 @@ def _init_routing(x, expert_idx, start, end, cumsum, expanded_x, expanded_row_id
     n = int(held.sum())
     expanded_row_idx.fill_(-1)
     expanded_row_idx[order[:n]] = torch.arange(n, dtype=torch.int32)
-    expanded_x[:n] = x[order[:n] // expert_idx.shape[1]]
+    rows = x[order[:n] // expert_idx.shape[1]]
+    if expanded_x.dtype == torch.int8 and x.dtype != torch.int8:  # quant_mode 1: the doc's absmax / 127 per row
+        scale = rows.float().abs().amax(dim=-1) / 127
+        expanded_scale.fill_(float("nan"))  # (past the n valid rows: not written by the op)
+        expanded_scale[:n] = scale
+        expanded_x[:n] = torch.round(rows.float() / scale.clamp_min(1e-30)[:, None]).clamp(-128, 127).to(torch.int8)
+    else:
+        expanded_x[:n] = rows
     if expanded_x.is_floating_point():
         expanded_x[n:] = float("nan")  # not written by the op
     tokens = torch.bincount(flat[held] - start, minlength=end - start)
@@ -398,10 +410,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     _count(name)
     _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)), f"{name}: x and weight are lists")
     _not_in_fake(name, len(x) == 1 and len(weight) == 1, "more than one x or weight tensor")
-    _not_in_fake(name, all(a is None for a in (scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
-                                               activation_input, activation_quant_scale, activation_quant_offset,
-                                               x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype)),
-                 "quantisation")
+    _not_in_fake(name, all(a is None for a in (offset, antiquant_scale, antiquant_offset, activation_input,
+                                               activation_quant_scale, activation_quant_offset, x_dtype,
+                                               weight_dtype, scale_dtype, per_token_scale_dtype)),
+                 "quantisation other than int8 x and weight with per-channel and per-token scales")
     _not_in_fake(name, act_type == 0 and tuning_config is None, "a fused activation or tuning_config")
     x, w = x[0], weight[0]
     _on_device(name, x=x, weight=w)
@@ -420,9 +432,14 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
              f"group_list has {len(group_list)}")
     _require(x.shape[1] == w.shape[1], f"{name}: x's inner dim {x.shape[1]} != the weight's K {w.shape[1]}")
     _require(w.shape[1] < 65536 and w.shape[2] < 65536, f"{name}: inner dims must be < 65536, got {list(w.shape[1:])}")
-    _require(x.dtype == w.dtype and x.dtype in _HALF,
-             f"{name}: unquantised x and weight must be float16 or bfloat16, one dtype; got {x.dtype}, {w.dtype}")
-    _require(output_dtype in (None, x.dtype), f"{name}: unquantised output is x's dtype {x.dtype}")
+    quantized = x.dtype == torch.int8
+    if quantized:
+        _check_quantized_gmm(name, x, w, scale, per_token_scale, bias, output_dtype)
+    else:
+        _require(scale is None and per_token_scale is None, f"{name}: scales go with int8 x and weight")
+        _require(x.dtype == w.dtype and x.dtype in _HALF,
+                 f"{name}: unquantised x and weight must be float16 or bfloat16, one dtype; got {x.dtype}, {w.dtype}")
+        _require(output_dtype in (None, x.dtype), f"{name}: unquantised output is x's dtype {x.dtype}")
     if bias is not None:
         _require(len(bias) == 1 and bias[0].shape == (w.shape[0], w.shape[2]), f"{name}: bias must be [[E, N]]")
         want = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
@@ -435,19 +452,44 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         # The doc asks sum == x rows; vllm-ascend passes more rows (those of other ranks' experts) and relies on
         # the op leaving them alone, so the fake takes more rows and leaves them unwritten.
         _require(sum(sizes) <= x.shape[0], f"{name}: the groups hold {sum(sizes)} rows, x has {x.shape[0]}")
-    y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], w.shape[2], dtype=output_dtype if quantized else x.dtype, device=x.device)
     _graphs.launch(_grouped_matmul, ("y",), x=x, weight=w, bias=None if bias is None else bias[0],
+                   scale=None if scale is None else scale[0],
+                   per_token_scale=None if per_token_scale is None else per_token_scale[0],
                    group_list=group_list, cumulative=group_list_type == 0, y=y)
     return [y]
 
 
-def _grouped_matmul(x, weight, bias, group_list, cumulative, y):
+def _check_quantized_gmm(name, x, w, scale, per_token_scale, bias, output_dtype):
+    """The doc's per-token row for A2/A3: int8 x and weight, fp32 per_token_scale, and a bf16 scale for a bf16
+    output or an fp32 one for an fp16 output; [E, N] scales as vllm-ascend passes them (the doc says 1-D)."""
+    experts, n = w.shape[0], w.shape[2]
+    _require(w.dtype == torch.int8, f"{name}: an int8 x takes an int8 weight, got {w.dtype}")
+    _require(output_dtype in _HALF, f"{name}: per-token quantisation outputs bf16 or fp16, got {output_dtype}")
+    _require(scale is not None and per_token_scale is not None and len(scale) == 1 and len(per_token_scale) == 1,
+             f"{name}: int8 x and weight need one scale and one per_token_scale")
+    want = torch.bfloat16 if output_dtype == torch.bfloat16 else torch.float32
+    _on_device(name, scale=scale[0], per_token_scale=per_token_scale[0])
+    _require(scale[0].dtype == want and tuple(scale[0].shape) == (experts, n),
+             f"{name}: a {output_dtype} output takes a {want} scale [E={experts}, N={n}], got {scale[0].dtype} "
+             f"{list(scale[0].shape)}")
+    _require(per_token_scale[0].dtype == torch.float32 and tuple(per_token_scale[0].shape) == (x.shape[0],),
+             f"{name}: per_token_scale must be fp32 [M={x.shape[0]}], got {per_token_scale[0].dtype} "
+             f"{list(per_token_scale[0].shape)}")
+    _not_in_fake(name, bias is None, "a bias with int8 x")
+
+
+def _grouped_matmul(x, weight, bias, scale, per_token_scale, group_list, cumulative, y):
     sizes = group_list.diff(prepend=group_list.new_zeros(1)) if cumulative else group_list
     y.fill_(float("nan"))  # rows past the groups are not written
     start = 0
     for expert, size in enumerate(sizes.tolist()):
-        out = x[start : start + size].float() @ weight[expert].float()
-        y[start : start + size] = out if bias is None else out + bias[expert].float()
+        rows = slice(start, start + size)
+        if scale is not None:  # int32 sums, then the expert's per-channel and the rows' per-token scales
+            out = (x[rows].int() @ weight[expert].int()).float() * scale[expert].float() * per_token_scale[rows, None]
+        else:
+            out = x[rows].float() @ weight[expert].float()
+        y[rows] = out if bias is None else out + bias[expert].float()
         start += size
 
 
