@@ -95,7 +95,7 @@ def _cmd_quantize(args) -> int:
     from backend.quantize import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, args.scheme, args.calibration, args.calibration_tokens,
-                              args.tokenizer, args.format)
+                              args.tokenizer, args.format, args.group_size)
     print(f"{args.scheme} checkpoint ({args.format}) written to {out}")
     return 0
 
@@ -195,12 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compare with this model instead (a quantized model's unquantized source)")
     verify.set_defaults(func=_cmd_verify)
 
-    quantize = commands.add_parser("quantize", help="write a W8A8 checkpoint of a model (compressed-tensors or "
-                                                    "msModelSlim)")
+    quantize = commands.add_parser("quantize", help="write a W8A8 or W8A16 checkpoint of a model "
+                                                    "(compressed-tensors or msModelSlim)")
     quantize.add_argument("--model", default=DEFAULT_MODEL, help="an unquantized model folder, GGUF file or name")
     quantize.add_argument("--out", required=True, help="the folder to write (new or empty)")
-    quantize.add_argument("--scheme", choices=("w8a8_dynamic", "w8a8"), default="w8a8_dynamic",
-                          help="activations quantized per token as the model runs, or with calibrated static scales")
+    quantize.add_argument("--scheme", choices=("w8a8_dynamic", "w8a8", "w8a16"), default="w8a8_dynamic",
+                          help="activations quantized per token as the model runs, with calibrated static scales, "
+                               "or left in the model's dtype (w8a16)")
+    quantize.add_argument("--group-size", type=int, default=None,
+                          help="w8a16 in compressed-tensors' format: a weight scale per group of so many input "
+                               "features (default: one per output channel)")
     quantize.add_argument("--format", choices=("compressed-tensors", "ascend"), default="compressed-tensors",
                           help="compressed-tensors (llm-compressor's; served with no flag) or ascend (msModelSlim's; "
                                "served with quantization=ascend)")

@@ -42,9 +42,9 @@ from backend.models.quantization import (
 from backend.models.registry import resolve_model
 
 log = logging.getLogger(__name__)
-SCHEMES = ("w8a8_dynamic", "w8a8")
+SCHEMES = ("w8a8_dynamic", "w8a8", "w8a16")
 FORMATS = ("compressed-tensors", "ascend")
-MODELSLIM_TYPES = {"w8a8_dynamic": "W8A8_DYNAMIC", "w8a8": "W8A8"}
+MODELSLIM_TYPES = {"w8a8_dynamic": "W8A8_DYNAMIC", "w8a8": "W8A8", "w8a16": "W8A16"}
 ROUTER = re.compile(r".*\.(mlp|block_sparse_moe)\.gate$")  # a MoE layer's router (left in its precision)
 EXPERTS = r"re:.*\.experts\..*"  # a MoE layer's experts, one by one, as compressed-tensors' ignore names them
 SHIPPED_CALIBRATION = Path(__file__).with_name("calibration.jsonl")
@@ -53,34 +53,45 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja")
 
 
-def quantization_config(scheme: str, experts: bool = False):
+def quantization_config(scheme: str, experts: bool = False, group_size: int | None = None):
     """compressed-tensors' QuantizationConfig for a scheme, over every Linear but lm_head (and, in a model with
     experts, but its routers and experts, as llm-compressor's MoE recipes leave the routers: transformers 5 holds
-    the experts as stacked parameters, which compressed-tensors does not quantize)."""
+    the experts as stacked parameters, which compressed-tensors does not quantize). W8A16's weights are stored
+    `pack-quantized` (four int8 values a 32-bit word), as llm-compressor stores weight-only schemes; `group_size`
+    gives them a scale per group of input features instead of one per output channel."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
-    if scheme == "w8a8_dynamic":
+    weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="group" if group_size else "channel",
+                               group_size=group_size)
+    if scheme == "w8a16":
+        inputs = None
+    elif scheme == "w8a8_dynamic":
         inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
     else:
         inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)
     group = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
     ignore = ["lm_head", *((f"re:{ROUTER.pattern}", EXPERTS) if experts else ())]
-    return QuantizationConfig(config_groups={"group_0": group}, ignore=ignore, format="int-quantized")
+    return QuantizationConfig(config_groups={"group_0": group}, ignore=ignore,
+                              format="pack-quantized" if scheme == "w8a16" else "int-quantized")
 
 
 def quantize_checkpoint(model: str, out: str | Path, scheme: str, calibration: str | Path | None = None,
                         max_calibration_tokens: int = 512, tokenizer: str | Path | None = None,
-                        format: str = "compressed-tensors") -> Path:
+                        format: str = "compressed-tensors", group_size: int | None = None) -> Path:
     """Write `model` quantized to `scheme` into the folder `out`, in `format`; returns it. The calibration text is
-    tokenized by `tokenizer` (default: the model's own)."""
+    tokenized by `tokenizer` (default: the model's own). `group_size` (W8A16 in compressed-tensors' format only):
+    a weight scale per group of so many input features."""
     from transformers import AutoModelForCausalLM
 
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     if format not in FORMATS:
         raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")
-    texts = None if scheme == "w8a8_dynamic" else calibration_texts(calibration)
+    if group_size is not None and (scheme != "w8a16" or format != "compressed-tensors" or group_size <= 0):
+        raise ValueError(f"group size {group_size}: grouped weight scales are written for w8a16 in the "
+                         "compressed-tensors format, in groups of at least one input feature (vllm-ascend's "
+                         "msModelSlim W8A16 reads one scale per output channel)")
+    texts = calibration_texts(calibration) if scheme == "w8a8" else None
     model_dir, out = resolve_model(model), Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out}: exists and is not empty")
@@ -89,7 +100,9 @@ def quantize_checkpoint(model: str, out: str | Path, scheme: str, calibration: s
         raise ValueError(f"{model_dir}: already quantized")
     stored_dtype = stored_dtype_of(stored) or torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()  # scales computed in fp32
-    config = quantization_config(scheme, experts=any(EXPERT_TENSOR.match(name) for name, _ in hf.named_parameters()))
+    config = quantization_config(scheme, any(EXPERT_TENSOR.match(name) for name, _ in hf.named_parameters()), group_size)
+    if group_size and any(m.in_features % group_size for _, m in _linears(hf)):
+        raise ValueError(f"group size {group_size} does not divide the input features of every linear layer")
     input_range = None if texts is None else _calibrate(hf, tokenizer or model_dir, texts, max_calibration_tokens)
     out.mkdir(parents=True, exist_ok=True)
     if format == "ascend":
@@ -129,8 +142,7 @@ def _write_modelslim(hf: nn.Module, model_dir: Path, out: Path, scheme: str, sto
     from safetensors.torch import load_file, save_file
 
     kind = MODELSLIM_TYPES[scheme]
-    linears = {name for name, m in hf.named_modules()
-               if isinstance(m, nn.Linear) and name != "lm_head" and not ROUTER.match(name)}
+    linears = {name for name, _ in _linears(hf)}
     tensors: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(model_dir):
         tensors.update(load_file(str(path)))
@@ -180,6 +192,12 @@ def _modelslim_layer(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
     return layer
 
 
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linear layers a checkpoint quantizes: all but lm_head and the routers (experts are separate)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name != "lm_head" and not ROUTER.match(name)]
+
+
 def _quantized_linears(model: nn.Module):
     return [(name, m) for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]
 
@@ -191,8 +209,9 @@ def _set_scales(module: nn.Module, dtype: torch.dtype, input_absmax: torch.Tenso
 
     args = module.quantization_scheme
     weight = module.weight.detach()
-    scale, _ = calculate_qparams(weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True), args.weights)
-    module.weight_scale.data.copy_(scale.to(dtype).float())
+    groups = weight.view(weight.shape[0], -1, args.weights.group_size or weight.shape[1])  # [N, groups, in a group]
+    scale, _ = calculate_qparams(groups.amin(dim=2), groups.amax(dim=2), args.weights)
+    module.weight_scale.data.copy_(scale.to(dtype).float().reshape(module.weight_scale.shape))
     if input_absmax is not None:
         scale, _ = calculate_qparams(-input_absmax.reshape(1), input_absmax.reshape(1), args.input_activations)
         module.input_scale.data.copy_(scale.to(dtype).float().reshape(module.input_scale.shape))

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from npu_llm_kernels import torch_ref
 from npu_llm_kernels.timing import scope
-from npu_llm_kernels.torch_ref import pack_int8_expert_weights, pack_int8_weight  # noqa: F401  (int8 stays [N, K])
+from npu_llm_kernels.torch_ref import (  # noqa: F401  (int8 stays [N, K])
+    pack_int8_expert_weights, pack_int8_weight, pack_w8a16_weight,
+)
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features
 from npu_llm_kernels.metadata import AttentionMetadata
@@ -167,6 +169,32 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if kernel:
         return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias, input_offset)
     return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset)
+
+
+# W8A16 below this many rows: csrc/linear_w8a16.cpp, dequantizing in its inner loop; from it, blocks of weights
+# dequantized by the extension and multiplied by torch (oneDNN). Measured in docs/quantization.md.
+W8A16_KERNEL_ROWS = 16
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_offset: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch_ref.w8a16_linear with the weights int8 in memory. A few rows: the AVX2 kernel, which widens each weight
+    to fp32 in registers as it multiplies. More: torch_ref's blocks, each dequantized in one pass by the extension,
+    to bf16 where the CPU multiplies bf16 in hardware (else to fp32, which oneDNN multiplies faster than emulated
+    bf16), and multiplied by oneDNN. fp16, K or groups not a multiple of 8, or no extension: torch_ref."""
+    ext, k = _extension(), weight.shape[1]
+    if ext is None or x.dtype not in (torch.float32, torch.bfloat16) or (k // weight_scale.shape[1]) % 8:
+        return torch_ref.w8a16_linear(x, weight, weight_scale, weight_offset, bias)
+    if x.numel() < W8A16_KERNEL_ROWS * k and ext.has_linear_w8a16():
+        return ext.linear_w8a16(x, weight, weight_scale, weight_offset, bias)
+    bf16 = x.dtype == torch.bfloat16 and cpu_features().native_bf16
+    compute = torch.bfloat16 if bf16 else torch.float32
+
+    def dequantize(w, scale, offset, _dtype):
+        return ext.dequantize_int8(w, scale, offset, bf16)
+    y = torch_ref.w8a16_linear(x.to(compute), weight, weight_scale, weight_offset,
+                               None if bias is None else bias.to(compute), dequantize=dequantize)
+    return y.to(x.dtype)
 
 
 def _onednn_int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

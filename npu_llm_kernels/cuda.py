@@ -13,6 +13,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     int8_linear,
     pack_int8_expert_weights,
     pack_int8_weight,
+    pack_w8a16_weight,
     linear,
     pack_expert_weights,
     pack_linear_weight,
@@ -22,4 +23,5 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     rotary_embedding,
     select_experts,
     silu_and_mul,
+    w8a16_linear,
 )

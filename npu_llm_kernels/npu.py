@@ -19,7 +19,9 @@ import torch_npu
 
 from npu_llm_kernels.metadata import AttentionMetadata, GraphCapture
 from npu_llm_kernels.npu_mla import NpuMLA as MLA  # noqa: F401  (DeepSeek's latent attention: its own ops)
-from npu_llm_kernels.npu_quant import ACL_FORMAT_FRACTAL_NZ, int8_linear, pack_int8_weight  # noqa: F401  (W8A8)
+from npu_llm_kernels.npu_quant import (  # noqa: F401  (W8A8, W8A16)
+    ACL_FORMAT_FRACTAL_NZ, int8_linear, pack_int8_weight, pack_w8a16_weight, w8a16_linear,
+)
 from npu_llm_kernels.timing import scope
 from npu_llm_kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
 from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts

@@ -1,5 +1,4 @@
-"""W8A8 linear layers on the NPU, as vllm-ascend v0.23.0 runs compressed-tensors W8A8 checkpoints (docs/npu.md,
-section 13): its `AscendW8A8DynamicLinearMethod` (quantization/methods/w8a8_dynamic.py) for dynamic per-token
+"""W8A8 and W8A16 linear layers on the NPU, as vllm-ascend v0.23.0 runs them (docs/npu.md, section 13). W8A8: its `AscendW8A8DynamicLinearMethod` (quantization/methods/w8a8_dynamic.py) for dynamic per-token
 activations, and `AscendW8A8LinearMethod` (w8a8_static.py) for static ones, whose dequantization scale is
 input_scale * weight_scale for compressed-tensors checkpoints.
 
@@ -17,6 +16,11 @@ The scales go as fp32: npu_quant_matmul's table of supported combinations takes 
 outputs alike (vllm-ascend passes a bf16 weight_scale for bf16 models, which the table also allows).
 Dynamic quantization here divides by 127, as the op does, where compressed-tensors divides by 127.5: the NPU's
 results differ from the CPU's by that rounding, as vllm-ascend's differ from vLLM's.
+
+W8A16, as its `AscendW8A16LinearMethod` (quantization/methods/w8a16.py): int8 weights [K, N] in FRACTAL_NZ,
+`npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, bias=...)`, which dequantizes
+(w + offset) * scale inside the matmul. Its scales are per channel [N]; compressed-tensors' grouped ones go as
+[K / G, N] with antiquant_group_size G (the op's per-group form). Scales and offsets in x's dtype, as the op requires.
 """
 from __future__ import annotations
 
@@ -53,4 +57,25 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
             # bias over deq_scale (an msModelSlim layer's quant_bias again, exactly, as its fold made it).
             bias = torch.round(bias / deq_scale).to(torch.int32)
         y = torch_npu.npu_quant_matmul(quantized, weight, deq_scale, bias=bias, output_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def pack_w8a16_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor | None):
+    """int8 [N, K] -> [K, N] in FRACTAL_NZ; scales [N, G] (and offsets [N, 1]) -> [N] per channel, [G, N] per group."""
+    def per_column(t):
+        return None if t is None else (t.reshape(-1) if t.shape[1] == 1 else t.t().contiguous())
+    return pack_int8_weight(weight), per_column(weight_scale), per_column(weight_offset)
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_offset: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch_ref.w8a16_linear on the NPU; the tensors as pack_w8a16_weight left them. A bf16 x takes an fp32 bias, an
+    fp16 one an fp16 bias (the op's table)."""
+    flat = x.reshape(-1, x.shape[-1])
+    group = weight.shape[0] // weight_scale.shape[0] if weight_scale.dim() == 2 else 0
+    if bias is not None:
+        bias = bias.to(torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
+    y = torch_npu.npu_weight_quant_batchmatmul(
+        flat, weight, weight_scale.to(x.dtype), None if weight_offset is None else weight_offset.to(x.dtype),
+        bias=bias, antiquant_group_size=group)
     return y.reshape(*x.shape[:-1], weight.shape[1])

@@ -66,6 +66,45 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def pack_w8a16_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor | None):
+    """W8A16 tensors in the layout `w8a16_linear` runs from (here: as they are; the scales fp32)."""
+    return weight, weight_scale.float(), None if weight_offset is None else weight_offset.float()
+
+
+# W8A16 dequantizes this many weights at a time (2 MB in bf16), block after block of output rows: never a whole
+# layer's weights at once for a large layer.
+W8A16_BLOCK = 1 << 20
+
+
+def dequantize_int8(weight: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """int8 weights [N, K] in `dtype`: (q + offset) * scale, the scale [N, G] covering K / G input features each, in
+    fp32 and rounded once (as compressed-tensors and npu_weight_quant_batchmatmul dequantize them)."""
+    n, k = weight.shape
+    w = weight.float() if weight_offset is None else weight.float() + weight_offset.float()
+    w = w.view(n, weight_scale.shape[1], -1) * weight_scale.float().unsqueeze(-1)
+    return w.view(n, k).to(dtype)
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_offset: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 dequantize=dequantize_int8, linear=F.linear) -> torch.Tensor:
+    """y = x ((w + offset) * scale)^T (+ bias) for int8 weights [N, K] with scales [N, G] (G = 1: per output channel;
+    else per group of K / G input features) and offsets [N, 1] or None, x in the model's dtype. The weights are
+    dequantized to x's dtype a block of output rows at a time (`dequantize`), each block multiplied by `linear`."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = weight.shape[0]
+    rows = max(1, W8A16_BLOCK // weight.shape[1])
+    blocks = []
+    for start in range(0, n, rows):
+        part = slice(start, start + rows)
+        w = dequantize(weight[part], weight_scale[part], None if weight_offset is None else weight_offset[part],
+                       x.dtype)
+        blocks.append(linear(flat, w, None if bias is None else bias[part]))
+    y = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

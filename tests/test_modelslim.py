@@ -1,8 +1,8 @@
-"""msModelSlim's W8A8 checkpoints (quantization="ascend"): `npu-llm quantize --format ascend` writes the tensors and
-the quant_model_description.json vllm-ascend reads; npu-llm serves them with vllm-ascend's arithmetic
-((x_q w^T + quant_bias) * deq_scale, x_q = round(x / input_scale + input_offset)), checked here against that
-arithmetic written out in float64 inside transformers' own model; and a checkpoint its description does not fit
-fails the load, naming the tensor."""
+"""msModelSlim's W8A8 and W8A16 checkpoints (quantization="ascend"): `npu-llm quantize --format ascend` writes the
+tensors and the quant_model_description.json vllm-ascend reads; npu-llm serves them with vllm-ascend's arithmetic
+((x_q w^T + quant_bias) * deq_scale, x_q = round(x / input_scale + input_offset); W8A16: x ((w + offset) * scale)^T),
+checked here against that arithmetic written out in float64 inside transformers' own model; and a checkpoint its
+description does not fit fails the load, naming the tensor."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,7 @@ def source(tmp_path_factory):
     return make_tiny_model("qwen2", tmp_path_factory.mktemp("source"), vocab_size=VOCAB)  # (q/k/v with biases)
 
 
-@pytest.fixture(scope="module", params=["w8a8", "w8a8_dynamic"])
+@pytest.fixture(scope="module", params=["w8a8", "w8a8_dynamic", "w8a16"])
 def modelslim(request, source, tmp_path_factory, default_model_dir):
     """(scheme, folder), written through the CLI."""
     out = tmp_path_factory.mktemp(request.param) / "out"
@@ -43,7 +43,7 @@ def modelslim(request, source, tmp_path_factory, default_model_dir):
 def test_the_checkpoint_holds_what_vllm_ascend_reads(modelslim):
     scheme, out = modelslim
     description = json.loads((out / MODELSLIM_DESCRIPTION).read_text())
-    kind = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC"}[scheme]
+    kind = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16"}[scheme]
     assert description["model_quant_type"] == kind
     assert description[Q + "weight"] == kind and description["model.embed_tokens.weight"] == "FLOAT"
     tensors = load_file(out / WEIGHTS.format(scheme))
@@ -61,9 +61,27 @@ def test_greedy_outputs_equal_vllm_ascends_arithmetic_on_the_same_checkpoint(mod
     """transformers' model of the source, its linear layers replaced by vllm-ascend's arithmetic on the checkpoint's
     tensors (transformers does not read msModelSlim's format)."""
     scheme, out = modelslim
+    _check_against_vllm_ascend(out, source, load_file(out / WEIGHTS.format(scheme)), scheme == "w8a16")
+
+
+def test_a_w8a16_weight_offset_is_added_before_scaling_as_vllm_ascends_op_adds_it(source, tmp_path):
+    """npu_weight_quant_batchmatmul's antiquant_offset: w = (q + offset) * scale. (npu-llm's writer leaves it zero.)"""
+    out = quantize_checkpoint(str(source), tmp_path / "w8a16", "w8a16", format="ascend")
+    generator = torch.Generator().manual_seed(3)
+
+    def offsets(tensors):
+        for key in [k for k in tensors if k.endswith("weight_offset")]:
+            tensors[key] = torch.randint(-3, 4, tensors[key].shape, generator=generator).to(tensors[key].dtype)
+    bad = rewrite_checkpoint(out, tmp_path, offsets, weights=WEIGHTS.format("w8a16"))
+    tensors = load_file(bad / WEIGHTS.format("w8a16"))
+    assert tensors[Q + "weight_offset"].any()
+    _check_against_vllm_ascend(bad, source, tensors, weight_only=True)
+
+
+def _check_against_vllm_ascend(out, source, tensors, weight_only: bool):
     ours, _, _ = load_model(out, ops_for("cpu"), dtype="float32", quantization="ascend")
     assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
-    reference = _vllm_ascend_arithmetic(hf_model(source), load_file(out / WEIGHTS.format(scheme)))
+    reference = _vllm_ascend_arithmetic(hf_model(source), tensors, weight_only)
     prompt = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     tokens, step_logits = _greedy_through_paged_cache(ours, prompt, 16, DECODE_STEPS)
     with torch.no_grad():
@@ -78,13 +96,16 @@ class _AscendLinear(nn.Module):
     """One layer as vllm-ascend's w8a8_static / w8a8_dynamic methods compute it, in float64. Per-token scales are
     absmax / 127.5, as the CPU quantizes (docs/quantization.md; the NPU's op divides by 127)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None):
+    def __init__(self, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, weight_only: bool):
         super().__init__()
-        self.t, self.bias = {k: v.double() for k, v in tensors.items()}, bias
+        self.t, self.bias, self.weight_only = {k: v.double() for k, v in tensors.items()}, bias, weight_only
 
     def forward(self, x):
         t, flat = self.t, x.double().reshape(-1, x.shape[-1])
-        if "deq_scale" in t:
+        if self.weight_only:
+            y = flat @ ((t["weight"] + t["weight_offset"]) * t["weight_scale"]).T
+            y = y if self.bias is None else y + self.bias.double()
+        elif "deq_scale" in t:
             q = torch.round(flat / t["input_scale"] + t["input_offset"]).clamp(-128, 127)
             y = (q @ t["weight"].T + t["quant_bias"]) * t["deq_scale"]
         else:
@@ -94,12 +115,12 @@ class _AscendLinear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def _vllm_ascend_arithmetic(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+def _vllm_ascend_arithmetic(model: nn.Module, tensors: dict[str, torch.Tensor], weight_only: bool) -> nn.Module:
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and f"{name}.weight_scale" in tensors:
             own = {k.removeprefix(f"{name}."): v for k, v in tensors.items() if k.startswith(f"{name}.")}
             parent, _, last = name.rpartition(".")
-            setattr(model.get_submodule(parent), last, _AscendLinear(own, module.bias))
+            setattr(model.get_submodule(parent), last, _AscendLinear(own, module.bias, weight_only))
     return model
 
 
@@ -140,7 +161,7 @@ def test_a_float16_checkpoint_packs_deq_scale_in_int64_as_npu_trans_quant_param(
     tensors = load_file(out / WEIGHTS.format("w8a8"))
     assert tensors[Q + "deq_scale"].dtype == torch.int64 and tensors[Q + "input_scale"].dtype == torch.float16
     reference = _vllm_ascend_arithmetic(hf_model(source), {k: deq_scale_from_int64(v) if v.dtype == torch.int64 else v
-                                                        for k, v in tensors.items()})
+                                                        for k, v in tensors.items()}, weight_only=False)
     ours, _, _ = load_model(out, ops_for("cpu"), dtype="float32", quantization="ascend")
     prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():

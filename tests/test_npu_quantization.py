@@ -1,7 +1,8 @@
-"""W8A8 on the NPU, against the fake torch_npu: the weights cast to FRACTAL_NZ, activations quantized by
+"""W8A8 and W8A16 on the NPU, against the fake torch_npu: the weights cast to FRACTAL_NZ, activations quantized by
 npu_dynamic_quant (dynamic) or npu_quantize (static), npu_quant_matmul with the scales vllm-ascend passes; the result
-equal to torch_ref's up to the op's own rounding (absmax / 127 where compressed-tensors divides by 127.5); the
-ops refuse what the real ones refuse; and the engine serves a W8A8 checkpoint on the NPU."""
+equal to torch_ref's up to the op's own rounding (absmax / 127 where compressed-tensors divides by 127.5); W8A16's
+npu_weight_quant_batchmatmul with per-channel or grouped scales; the ops refuse what the real ones refuse; and the
+engine serves W8A8 and W8A16 checkpoints on the NPU."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +41,28 @@ def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static, offset, dtype):
     assert fake_npu.calls == {"npu_format_cast": 1, quantize: 1, "npu_quant_matmul": 1}
 
 
+@pytest.mark.parametrize("groups, offset, dtype", [(1, False, torch.bfloat16), (1, True, torch.bfloat16),
+                                                   (4, False, torch.bfloat16), (1, True, torch.float16)])
+def test_npu_w8a16_linear_matches_torch_ref(fake_npu, groups, offset, dtype):
+    """(groups: compressed-tensors' grouped scales, [G, N] with antiquant_group_size; offset: msModelSlim's)"""
+    from npu_llm_kernels import npu, torch_ref
+
+    torch.manual_seed(0)
+    rows, k, n = 9, 128, 96
+    x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    weight, scale = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, groups) / 100
+    weight_offset = torch.randint(-8, 8, (n, 1)).float() if offset else None
+    packed, packed_scale, packed_offset = npu.pack_w8a16_weight(
+        weight.to("npu"), scale.to("npu"), None if weight_offset is None else weight_offset.to("npu"))
+    assert packed.shape == (k, n) and fake_npu.get_npu_format(packed) == 29
+    assert packed_scale.shape == ((n,) if groups == 1 else (groups, n))
+    ours = npu.w8a16_linear(x.to("npu"), packed, packed_scale, packed_offset, bias.to("npu"))
+    expected = torch_ref.w8a16_linear(x.float(), weight, scale.to(dtype), weight_offset, bias.float())
+    assert ours.device.type == "npu" and ours.dtype == dtype and ours.shape == (rows, n)
+    assert (ours.cpu().float() - expected).abs().max() < 0.02 * expected.abs().max()  # (x and the weights in dtype)
+    assert fake_npu.calls == {"npu_format_cast": 1, "npu_weight_quant_batchmatmul": 1}
+
+
 def test_npu_quant_ops_reject_what_the_real_ops_reject(fake_npu):
     x = torch.randn(4, 64).bfloat16().to("npu")
     w = torch.randint(-128, 128, (64, 32), dtype=torch.int8).to("npu")
@@ -63,22 +86,37 @@ def test_npu_quant_ops_reject_what_the_real_ops_reject(fake_npu):
         (lambda: fake_npu.npu_quant_matmul(q, w, scale.cpu(), output_dtype=torch.bfloat16), "scale must be on the NPU"),
         (lambda: fake_npu.npu_quant_matmul(q, w, scale, bias=scale, output_dtype=torch.float16),
          "an fp16 output without pertoken_scale takes an int32 bias"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x, w, scale), "antiquant_scale must be in x's dtype"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x.float(), w, scale), "x must be fp16 or bf16"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x, w.float(), scale.bfloat16()), "int8 weights"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x, w, torch.rand(2, 32).bfloat16().to("npu"),
+                                                       antiquant_group_size=16),
+         "antiquant_group_size must be a multiple of 32"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x, w, torch.rand(3, 32).bfloat16().to("npu"),
+                                                       antiquant_group_size=32),
+         "per group, antiquant_scale must be \\[ceil\\(K / group\\) = 2, N = 32\\]"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x, w, scale.bfloat16(), scale.half()),
+         "antiquant_offset must match antiquant_scale's dtype and shape"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x, w, scale.bfloat16(), bias=scale.bfloat16()),
+         "a torch.bfloat16 x takes a float32 bias"),
     ]
     for call, message in cases:
         with pytest.raises(fake_npu.NpuOpError, match=message):
             call()
 
 
-@pytest.mark.parametrize("scheme, format", [("w8a8_dynamic", "compressed-tensors"), ("w8a8", "ascend")])
-def test_the_engine_serves_a_w8a8_checkpoint_on_the_npu(fake_npu, monkeypatch, tmp_path, default_model_dir, scheme,
-                                                        format):
+@pytest.mark.parametrize("scheme, format, group", [("w8a8_dynamic", "compressed-tensors", None), ("w8a8", "ascend", None),
+                                                   ("w8a16", "compressed-tensors", 32), ("w8a16", "ascend", None)])
+def test_the_engine_serves_a_quantized_checkpoint_on_the_npu(fake_npu, monkeypatch, tmp_path, default_model_dir,
+                                                             scheme, format, group):
     """Greedy on the NPU (bf16) against the CPU's portable path on the same checkpoint: each prompt's first token
     is among the CPU's five most likely (the two quantize activations with scales 127 / 127.5 apart, or multiply by
     a static scale's reciprocal where the CPU divides by it)."""
     from backend import LLM, SamplingParams
 
     source = make_tiny_model("llama", tmp_path / "source", vocab_size=VOCAB)
-    out = quantize_checkpoint(str(source), tmp_path / "w8a8", scheme, tokenizer=default_model_dir, format=format)
+    out = quantize_checkpoint(str(source), tmp_path / "w8a8", scheme, tokenizer=default_model_dir, format=format,
+                              group_size=group)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (7, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
@@ -87,8 +125,9 @@ def test_the_engine_serves_a_w8a8_checkpoint_on_the_npu(fake_npu, monkeypatch, t
     with LLM(device="npu", **args) as llm:
         on_npu = [o.outputs[0] for o in llm.generate(prompts, params)]
         assert llm.engine.kv.num_free_blocks == 8
-    assert fake_npu.calls["npu_quant_matmul"] > 0
-    assert fake_npu.calls["npu_dynamic_quant" if scheme == "w8a8_dynamic" else "npu_quantize"] > 0
+    ops = {"w8a8_dynamic": ("npu_quant_matmul", "npu_dynamic_quant"), "w8a8": ("npu_quant_matmul", "npu_quantize"),
+           "w8a16": ("npu_weight_quant_batchmatmul",)}[scheme]
+    assert all(fake_npu.calls[op] > 0 for op in ops)
     monkeypatch.setenv("NPU_LLM_CPU_KERNELS", "0")
     with LLM(device="cpu", block_size=128, **args) as llm:
         on_cpu = [o.outputs[0] for o in llm.generate(prompts, params)]

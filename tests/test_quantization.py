@@ -1,7 +1,8 @@
-"""W8A8 checkpoints (compressed-tensors): `npu-llm quantize` writes them with the compressed-tensors package; npu-llm
-serves them with int8 weights, and its greedy outputs equal transformers' on the same checkpoint in fp32; the CPU's
-int8 kernels equal the reference at every CPU level; tensor parallel shards the int8 weights and their scales; and a
-checkpoint that contradicts its config, or asks for a scheme npu-llm does not run, fails the load naming why."""
+"""W8A8 and W8A16 checkpoints (compressed-tensors): `npu-llm quantize` writes them with the compressed-tensors package;
+npu-llm serves them with int8 weights, and its greedy outputs equal transformers' on the same checkpoint in fp32; the
+CPU's int8 kernels equal the reference at every CPU level; tensor parallel shards the int8 weights and their scales
+(W8A16's packed weights and grouped scales too); and a checkpoint that contradicts its config, or asks for a scheme
+npu-llm does not run, fails the load naming why."""
 from __future__ import annotations
 
 import json
@@ -154,6 +155,73 @@ def test_two_ranks_serve_a_static_checkpoint_as_one(source, tmp_path, default_mo
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == STEPS
 
 
+# -- W8A16 (weights only, pack-quantized) -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[None, 32], ids=["per-channel", "groups-of-32"])
+def w8a16(request, source, tmp_path_factory):
+    """(group size, folder), written through the CLI."""
+    out = tmp_path_factory.mktemp("w8a16") / "out"
+    group = ["--group-size", str(request.param)] if request.param else []
+    assert cli_main(["quantize", "--model", str(source), "--out", str(out), "--scheme", "w8a16", *group]) == 0
+    return request.param, out
+
+
+def test_a_w8a16_checkpoint_is_packed_as_compressed_tensors_describes_it(w8a16):
+    group, out = w8a16
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    scheme = config["config_groups"]["group_0"]
+    assert config["format"] == "pack-quantized" and scheme["input_activations"] is None
+    assert (scheme["weights"]["strategy"], scheme["weights"]["group_size"]) == (("group", 32) if group else
+                                                                                ("channel", None))
+    weights = load_file(out / "model.safetensors")
+    assert Q + "weight" not in weights and weights[Q + "weight_packed"].dtype == torch.int32
+    assert weights[Q + "weight_packed"].shape == (64, 16) and weights[Q + "weight_scale"].shape == (64, 2 if group else 1)
+
+
+def test_w8a16_greedy_outputs_equal_transformers_on_the_same_checkpoint(w8a16):
+    """transformers dequantizes the weights as npu-llm does, and nothing else is quantized: the two agree to fp32's
+    rounding, as unquantized models do."""
+    group, out = w8a16
+    model, _, _ = load_model(out, ops_for("cpu"), dtype="float32")
+    down = model.model.layers[0].mlp.down_proj
+    assert down.scheme.weight_only and down.weight.dtype == torch.int8 and down.weight.shape == (64, 128)
+    assert down.weight_scale.shape == (64, 4 if group else 1) and not hasattr(down, "weight_packed")
+    prompt = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    _check_against_hf(out, prompt, block_size=16, atol=1e-3)
+
+
+@pytest.mark.parametrize("groups, offset", [(1, False), (1, True), (4, False)])
+def test_the_cpu_w8a16_kernels_equal_the_reference_at_every_level(groups, offset, cpu_level):
+    """At this CPU level (a few rows: the extension's kernel, which dequantizes in its inner loop; more: blocks
+    dequantized by the extension, multiplied by oneDNN; no AVX2: torch_ref), from a decode row to a prefill chunk, in
+    fp32 and bf16: torch_ref's result, to the rounding of the dtype. (offset: msModelSlim's per-channel one.)"""
+    torch.manual_seed(0)
+    for rows, k, n in [(1, 64, 96), (3, 576, 193), (15, 128, 64), (300, 256, 160), (5, 72, 36)]:
+        if (k // groups) % 8 and groups > 1:
+            continue
+        weight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        scale, bias = torch.rand(n, groups) / 100, torch.randn(n)
+        weight_offset = torch.randint(-8, 8, (n, 1)).float() if offset else None
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            x = torch.randn(rows, k).to(dtype)
+            got = cpu.w8a16_linear(x, weight, scale, weight_offset, bias.to(dtype))
+            want = torch_ref.w8a16_linear(x.double(), weight, scale.double(), weight_offset, bias.to(dtype).double())
+            assert got.dtype == dtype and got.shape == (rows, n)
+            assert (got.double() - want).abs().max() <= tolerance * want.abs().max(), (rows, k, n, dtype)
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_a_grouped_w8a16_checkpoint_as_one(source, tmp_path, default_model_dir):
+    """Row-parallel layers take their columns of the packed weights (four a word) and of the grouped scales (one a
+    group); column-parallel ones their rows."""
+    out = quantize_checkpoint(str(source), tmp_path / "w8a16", "w8a16", group_size=32)
+    alone, _ = _generate(out, default_model_dir, 1)
+    sharded, _ = _generate(out, default_model_dir, 2)
+    for a, b in zip(alone, sharded):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == STEPS
+
+
 # -- bad checkpoints and settings --------------------------------------------------------------------------------
 
 
@@ -183,9 +251,11 @@ def _weights(group):
     (lambda c: _weights(c).update(num_bits=4), "weights \\(4-bit int, symmetric, per channel, static\\) are not served"),
     (lambda c: _weights(c).update(symmetric=False), "asymmetric"),
     (lambda c: _weights(c).update(strategy="group", group_size=32), "per group of 32"),
-    (lambda c: c["config_groups"]["group_0"].update(input_activations=None),
-     "input activations left unquantized are not served"),
-    (lambda c: c["config_groups"]["group_0"].update(format="pack-quantized"), "stored 'pack-quantized'"),
+    (lambda c: c["config_groups"]["group_0"].update(format="pack-quantized"),
+     "W8A8 weights stored 'pack-quantized' are not served"),
+    (lambda c: c["config_groups"]["group_0"].update(format="marlin-24"), "stored 'marlin-24'"),
+    (lambda c: c["config_groups"]["group_0"]["input_activations"].update(strategy="group", group_size=16),
+     "input activations \\(8-bit int, symmetric, per group of 16, dynamic\\) are not served"),
     (lambda c: c.update(ignore=[]), "a quantized lm_head is not served yet"),
     (lambda c: c.update(ignore=["model.layers.0.self_attn.k_proj"]),
      "model.layers.0.self_attn.qkv_proj: its checkpoint layers are quantized differently"),
@@ -198,6 +268,31 @@ def test_a_scheme_npu_llm_does_not_run_fails_the_load_naming_it(source, tmp_path
     with pytest.raises(ModelLoadError, match=message):
         load_model(rewrite_checkpoint(out, tmp_path, change_config=lambda c: edit(c["quantization_config"])),
                    ops_for("cpu"), dtype="float32")
+
+
+W = "model.layers.1.mlp.down_proj."
+
+
+@pytest.mark.parametrize("edit, config, message", [
+    (lambda w: w.pop(W + "weight_scale"), None, "lacks tensors for model.layers.1.mlp.down_proj.weight_scale"),
+    (lambda w: w.update({W + "weight_scale": torch.ones(64, 3)}), None,
+     f"tensor '{W}weight_scale' has shape \\(64, 3\\), expected \\(64, 4\\)"),
+    (lambda w: w.update({W + "weight_packed": w[W + "weight_packed"][:, :31].contiguous()}), None,
+     f"tensor '{W}weight_packed' has shape \\(64, 31\\), expected \\(64, 32\\)"),
+    (lambda w: w.update({W + "weight_packed": w[W + "weight_packed"].float()}), None,
+     f"tensor '{W}weight_packed' is float32, .* makes it int32"),
+    (None, lambda c: _weights(c).update(group_size=48), "self_attn.qkv_proj: w8a16 \\(groups of 48\\): this layer's "
+                                                          "64 input features are not whole groups"),
+    (None, lambda c: c["config_groups"]["group_0"].update(format="int-quantized"),
+     "unexpected tensor 'model.layers.0.mlp.down_proj.weight_packed'"),
+])
+def test_a_w8a16_checkpoint_that_contradicts_its_config_fails_naming_the_tensor(source, tmp_path, edit, config,
+                                                                                 message):
+    out = quantize_checkpoint(str(source), tmp_path / "w8a16", "w8a16", group_size=32)
+    bad = rewrite_checkpoint(out, tmp_path, edit, None if config is None else
+                             lambda c: config(c["quantization_config"]))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(bad, ops_for("cpu"), dtype="float32")
 
 
 def test_a_zero_input_scale_fails_the_load_and_zero_points_of_zero_are_ignored(source, tmp_path, default_model_dir):
@@ -278,6 +373,11 @@ def test_model_json_takes_vllms_quantization_values_and_refuses_others():
 def test_quantize_refuses_an_unknown_scheme_and_a_bad_calibration_file(source, tmp_path, default_model_dir):
     with pytest.raises(ValueError, match="scheme 'w4a16'"):
         quantize_checkpoint(str(source), tmp_path / "a", "w4a16")
+    with pytest.raises(ValueError, match="group size 32: grouped weight scales are written for w8a16 in the "
+                                         "compressed-tensors format"):
+        quantize_checkpoint(str(source), tmp_path / "a", "w8a16", group_size=32, format="ascend")
+    with pytest.raises(ValueError, match="group size 48 does not divide the input features"):
+        quantize_checkpoint(str(source), tmp_path / "a", "w8a16", group_size=48)
     bad = tmp_path / "calibration.jsonl"
     bad.write_text('{"text": "fine"}\n{"prompt": "no text"}\n')
     with pytest.raises(ValueError, match='calibration.jsonl:2: expected an object with a "text" string'):

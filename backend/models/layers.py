@@ -24,6 +24,7 @@ class Linear(nn.Linear):
         self.scheme = None  # an Int8Scheme once quantized
         self.input_scale = None  # static activation scale: one per checkpoint layer fused here, then their max
         self.input_offset = None  # msModelSlim's static activation offset (an integer), likewise
+        self.weight_offset = None  # msModelSlim's W8A16 weight offset [N, 1] where not zero: w = (q + offset) * scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -32,22 +33,36 @@ class Linear(nn.Linear):
         with scope("matmul"):
             if self.scheme is None:
                 return self.ops.linear(x, self.weight, bias)
+            if self.scheme.weight_only:
+                return self.ops.w8a16_linear(x, self.weight, self.weight_scale, self.weight_offset, bias)
             return self.ops.int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.input_offset)
 
     def quantize(self, scheme, parts: int) -> None:
         """Hold int8 weights [N, K] and their fp32 scales [N, 1] (and a static input scale per fused part), to be
-        loaded from the checkpoint; before loading, on the meta device. msModelSlim's layers hold its tensors too
-        (backend/models/quantization.py folds them after loading): weight_offset [N, 1], and for static activations
-        input_offset per part, quant_bias [N] and deq_scale [N], which take the place of the float bias."""
-        device, n = self.weight.device, self.out_features
+        loaded from the checkpoint; before loading, on the meta device. Grouped W8A16 scales are [N, K / G], and
+        pack-quantized weights arrive as `weight_packed` int32 [N, K / 4] (unpacked after loading). msModelSlim's
+        layers hold its tensors too (backend/models/quantization.py folds them after loading): weight_offset [N, 1],
+        and for static activations input_offset per part, quant_bias [N] and deq_scale [N], which take the place of
+        the float bias."""
+        device, n, k = self.weight.device, self.out_features, self.in_features
+        if scheme.group_size and k % scheme.group_size:
+            raise ValueError(f"{scheme.name}: this layer's {k} input features are not whole groups")
+        if scheme.packed and k % 4:
+            raise ValueError(f"{scheme.name}: {k} input features do not pack four to an int32 word")
         self.scheme = scheme
-        self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=torch.int8), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(n, 1, device=device), requires_grad=False)
-        if not scheme.dynamic:
+        if scheme.packed:
+            del self.weight
+            self.weight_packed = nn.Parameter(torch.empty(n, k // 4, dtype=torch.int32, device=device),
+                                              requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=torch.int8), requires_grad=False)
+        groups = k // scheme.group_size if scheme.group_size else 1
+        self.weight_scale = nn.Parameter(torch.empty(n, groups, device=device), requires_grad=False)
+        if scheme.static:
             self.input_scale = nn.Parameter(torch.empty(parts, device=device), requires_grad=False)
         if scheme.modelslim:
             self.weight_offset = nn.Parameter(torch.empty(n, 1, device=device), requires_grad=False)
-        if scheme.modelslim and not scheme.dynamic:
+        if scheme.modelslim and scheme.static:
             self.input_offset = nn.Parameter(torch.empty(parts, device=device), requires_grad=False)
             self.quant_bias = nn.Parameter(torch.empty(n, dtype=torch.int32, device=device), requires_grad=False)
             self.deq_scale = nn.Parameter(torch.empty(n, device=device), requires_grad=False)
@@ -57,6 +72,12 @@ class Linear(nn.Linear):
         """Swap the loaded weight for the kernels' preferred layout (inference only; weights are final)."""
         if self.scheme is None:
             packed = self.ops.pack_linear_weight(self.weight.data)
+        elif self.scheme.weight_only:
+            offset = None if self.weight_offset is None else self.weight_offset.data
+            packed, scale, offset = self.ops.pack_w8a16_weight(self.weight.data, self.weight_scale.data, offset)
+            for name, tensor in (("weight_scale", scale), ("weight_offset", offset)):
+                delattr(self, name)
+                self.register_buffer(name, tensor, persistent=False)
         else:
             if self.input_scale is not None:  # the parts of a fused layer see one input: one scale covers them all
                 self.input_scale = nn.Parameter(self.input_scale.max().reshape(1), requires_grad=False)

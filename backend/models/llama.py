@@ -227,12 +227,12 @@ class LlamaForCausalLM(nn.Module):
         intermediate = self._mlp_of(key).intermediate_size
         if ".gate_proj." in key or ".up_proj." in key:
             return 0, rank * intermediate, intermediate
-        if key.endswith("down_proj.weight"):
+        if ".down_proj.weight" in key:  # (and its weight_packed, scales, offsets: _read sizes their columns)
             return 1, rank * intermediate, intermediate
         return None  # the row-parallel bias (added once, by rank 0)
 
     def _checkpoint_shard_outside_mlp(self, key: str, attn: Attention, rank: int):
-        if key.endswith("o_proj.weight"):
+        if ".o_proj.weight" in key:
             return 1, rank * attn.q_size, attn.q_size
         if key.endswith(("embed_tokens.weight", "lm_head.weight")):
             return 0, self.model.embed_tokens.start, self.model.embed_tokens.num_embeddings

@@ -16,8 +16,8 @@ from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.mtp import attach_mtp
 from backend.models.quantization import (
-    SYMMETRIC_ZERO_POINTS, CompressedTensors, ModelSlim, UnsupportedQuantization, as_loaded, check_scales,
-    fold_modelslim, folded_into_quant_bias, quantization_of, quantize_layers,
+    PACKED_SHAPE, SYMMETRIC_ZERO_POINTS, CompressedTensors, ModelSlim, UnsupportedQuantization, as_loaded,
+    check_scales, fold_modelslim, folded_into_quant_bias, quantization_of, quantize_layers, unpack_weights,
 )
 from backend.models.registry import resolve_model
 
@@ -145,6 +145,7 @@ def load_model(
             check_scales(module)
             if isinstance(quant, ModelSlim):
                 fold_modelslim(module)
+            unpack_weights(module)
         except UnsupportedQuantization as e:
             raise ModelLoadError(f"{model_dir}: {e}") from e
     module.pack_weights()
@@ -195,8 +196,10 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
                     if expert:
                         _load_expert_tensor(experts, expert, f, stored, path)
                         continue
+                    if key.endswith(PACKED_SHAPE):  # (weight_packed's own shape, checked as it loads, says it)
+                        continue
                     shard = None if key.endswith(PER_TENSOR) else module.checkpoint_shard(key)
-                    tensor = _read(f, stored, shard)
+                    tensor = _read(f, stored, shard, module.tp.size, path)
                     _load_tensor(module, params, unfilled, key, tensor, path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
@@ -228,13 +231,26 @@ def _load_expert_tensor(experts: dict[str, FusedMoE], match, f, stored: str, pat
         raise ModelLoadError(f"{path}: {e}") from e
 
 
-def _read(f, key: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
-    """A checkpoint tensor, or only the slice of it this rank holds (read from the file, not sliced after)."""
+def _read(f, key: str, shard: tuple[int, int, int] | None, ranks: int, path: Path) -> torch.Tensor:
+    """A checkpoint tensor, or only the slice of it this rank holds (read from the file, not sliced after).
+
+    A row-parallel layer's shard is in input features. Its tensors hold them one a column (weight), four a column
+    (pack-quantized weight_packed), a group a column (grouped weight_scale), or all in one (a per-channel scale or
+    offset, which every rank reads whole)."""
     if shard is None:
         return f.get_tensor(key)
     dim, start, length = shard
     part = f.get_slice(key)
-    return part[start:start + length] if dim == 0 else part[:, start:start + length]
+    if dim == 0:
+        return part[start:start + length]
+    columns, features = part.get_shape()[-1], length * ranks
+    if columns == 1:
+        return part[:]
+    per_column = features // columns
+    if per_column * columns != features or start % per_column or length % per_column:
+        raise ModelLoadError(f"{path}: tensor {key!r} holds {columns} columns for {features} input features, which "
+                             f"do not split into {ranks} ranks' shares of {length}")
+    return part[:, start // per_column:(start + length) // per_column]
 
 
 def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path: Path) -> None:

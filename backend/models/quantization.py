@@ -17,10 +17,14 @@ The schemes served:
   msModelSlim's adds an integer `input_offset` [1] (asymmetric activations) and stores what dequantizes the int32
   sums: `deq_scale` [N] (input_scale * weight_scale; fp32, or int64 as npu_trans_quant_param packs it for fp16
   models) and `quant_bias` [N] int32 (the float bias over deq_scale, less the offset times the weights' row sums).
+- W8A16: int8 weights, activations left in the model's dtype; the weights are dequantized as they are multiplied.
+  compressed-tensors' scales are per output channel or per group of input features (`weight_scale` [N, K / G]),
+  its weights stored `pack-quantized` (`weight_packed` int32 [N, K / 4], four values a word, unpacked after
+  loading); msModelSlim's are per channel with a `weight_offset` [N, 1]: w = (q + offset) * scale.
 
-Everything else a checkpoint may ask for (other bit widths, asymmetric or grouped weights, fp8, a quantized KV
-cache, static experts, latent attention) fails the load, naming what was asked: nothing is served in a
-precision other than the checkpoint's.
+Everything else a checkpoint may ask for (other bit widths, asymmetric compressed-tensors weights, fp8, a
+quantized KV cache, static or weight-only experts, latent attention) fails the load, naming what was asked:
+nothing is served in a precision other than the checkpoint's.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from backend.models.layers import Linear
 from backend.models.moe import FusedMoE
 
 FORMAT = "int-quantized"  # compressed-tensors' format for int8 weights stored as int8 tensors
+PACKED_FORMAT = "pack-quantized"  # ... and for weights packed in int32 words (llm-compressor's for weight-only schemes)
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,23 @@ class Int8Scheme:
     """How one linear layer runs: int8 weights with per-channel scales, and its activations' quantization."""
 
     name: str  # what the docs and the start-up log call it
-    dynamic: bool  # True: a scale per token, computed each step; False: the checkpoint's input_scale
+    dynamic: bool  # True: a scale per token, computed each step; False: the checkpoint's input_scale (or none)
     modelslim: bool = False  # msModelSlim's tensors: weight_offset, and (static) input_offset, quant_bias, deq_scale
+    weight_only: bool = False  # W8A16: activations stay in the model's dtype
+    group_size: int = 0  # weight scales per group of so many input features; 0: one per output channel
+    packed: bool = False  # compressed-tensors' pack-quantized: `weight_packed`, four int8 values a 32-bit word
+
+    @property
+    def static(self) -> bool:
+        """Activations quantized with the checkpoint's input_scale."""
+        return not self.dynamic and not self.weight_only
 
 
 W8A8_DYNAMIC = Int8Scheme("w8a8_dynamic", dynamic=True)
 W8A8_STATIC = Int8Scheme("w8a8", dynamic=False)
 MODELSLIM_SCHEMES = {"W8A8": Int8Scheme("W8A8", dynamic=False, modelslim=True),
-                     "W8A8_DYNAMIC": Int8Scheme("W8A8_DYNAMIC", dynamic=True, modelslim=True)}
+                     "W8A8_DYNAMIC": Int8Scheme("W8A8_DYNAMIC", dynamic=True, modelslim=True),
+                     "W8A16": Int8Scheme("W8A16", dynamic=False, modelslim=True, weight_only=True)}
 MODELSLIM_FLOAT = "FLOAT"  # a layer msModelSlim kept in its precision
 MODELSLIM_DESCRIPTION = "quant_model_description.json"
 # What says a checkpoint's tensors are quantized, for the messages of a tensor its description does not fit
@@ -67,6 +81,7 @@ class UnsupportedQuantization(ValueError):
 
 # Zero points older compressed-tensors versions wrote for symmetric schemes too: all zero, they change nothing.
 SYMMETRIC_ZERO_POINTS = (".weight_zero_point", ".input_zero_point")
+PACKED_SHAPE = ".weight_shape"  # pack-quantized weights' unpacked shape, beside their weight_packed
 
 
 @dataclass
@@ -207,31 +222,41 @@ def _compressed_tensors(raw: dict, where: Path) -> CompressedTensors:
                                       "checkpoints are not served")
     groups = []
     for group_name, scheme in parsed.config_groups.items():
-        fmt = scheme.format or parsed.format
-        if fmt != FORMAT:
-            raise UnsupportedQuantization(f"{where}: config group {group_name!r} is stored {fmt!r}; npu-llm reads "
-                                          f"{FORMAT!r} (int8 weights as int8 tensors)")
-        groups.append((list(scheme.targets), _scheme_of(scheme, f"{where}: config group {group_name!r}")))
+        fmt, named = scheme.format or parsed.format, f"{where}: config group {group_name!r}"
+        if fmt not in (FORMAT, PACKED_FORMAT):
+            raise UnsupportedQuantization(f"{named} is stored {fmt!r}; npu-llm reads {FORMAT!r} (int8 weights as "
+                                          f"int8 tensors) and {PACKED_FORMAT!r} (int8 weights packed in int32)")
+        groups.append((list(scheme.targets), _scheme_of(scheme, fmt == PACKED_FORMAT, named)))
     return CompressedTensors(groups, list(parsed.ignore or []))
 
 
-def _scheme_of(scheme, where: str) -> Int8Scheme:
+def _scheme_of(scheme, packed: bool, where: str) -> Int8Scheme:
     weights, inputs = scheme.weights, scheme.input_activations
-    if weights is None or not _int8_symmetric(weights) or weights.strategy != "channel" or weights.dynamic \
-            or weights.actorder:
+    grouped = weights is not None and weights.strategy == "group" and inputs is None
+    if weights is None or not _int8_symmetric(weights) or weights.strategy not in ("channel", *(("group",) if grouped
+                                                                                                  else ())) \
+            or weights.dynamic or weights.actorder:
         raise UnsupportedQuantization(
             f"{where}: weights {_describe(weights)} are not served; npu-llm runs int8 weights quantized symmetrically "
-            "per output channel")
+            "per output channel (or, without quantized activations, per group of input features)")
     if scheme.output_activations is not None:
         raise UnsupportedQuantization(f"{where}: quantized output activations are not served")
-    if inputs is not None and _int8_symmetric(inputs):
+    if inputs is None:
+        group = weights.group_size if grouped else 0
+        return Int8Scheme(f"w8a16 (groups of {group})" if group else "w8a16", dynamic=False, weight_only=True,
+                          group_size=group, packed=packed)
+    if packed:
+        raise UnsupportedQuantization(f"{where}: W8A8 weights stored {PACKED_FORMAT!r} are not served; npu-llm reads "
+                                      f"them {FORMAT!r}, as llm-compressor writes them")
+    if _int8_symmetric(inputs):
         if inputs.dynamic is True and inputs.strategy == "token":
             return W8A8_DYNAMIC
         if inputs.dynamic is False and inputs.strategy == "tensor":
             return W8A8_STATIC
     raise UnsupportedQuantization(
         f"{where}: input activations {_describe(inputs)} are not served; npu-llm runs int8 activations, symmetric, "
-        "per token and dynamic (W8A8 dynamic) or per tensor and static (W8A8)")
+        "per token and dynamic (W8A8 dynamic) or per tensor and static (W8A8), or activations left unquantized "
+        "(W8A16)")
 
 
 def _int8_symmetric(args) -> bool:
@@ -269,7 +294,10 @@ def quantize_layers(model: nn.Module, quantization: CompressedTensors | ModelSli
                     f"{name}: its checkpoint layers are quantized differently "
                     f"({', '.join(f'{p}: {s.name if s else None}' for p, s in schemes.items())})")
             if schemes[parts[0]] is not None:
-                module.quantize(schemes[parts[0]], len(parts))
+                try:
+                    module.quantize(schemes[parts[0]], len(parts))
+                except ValueError as e:
+                    raise UnsupportedQuantization(f"{name}: {e}") from e
         elif isinstance(module, nn.Linear) and quantization.scheme_for(name, module) is not None:
             raise UnsupportedQuantization(f"{name}: a quantized {name} is not served yet (llm-compressor's recipes "
                                           "and msModelSlim's leave the output head in its precision)")
@@ -298,6 +326,9 @@ def _quantize_experts(name: str, module: FusedMoE, quantization: CompressedTenso
     scheme = kinds.pop()
     if scheme is None:
         return
+    if scheme.weight_only:
+        raise UnsupportedQuantization(f"{name}: {scheme.name} experts are not served yet; quantize them W8A8 dynamic "
+                                      "or leave them in their precision")
     if not scheme.dynamic:
         raise UnsupportedQuantization(f"{name}: static {scheme.name} experts are not served (vllm-ascend serves "
                                       "W8A8 dynamic experts only); quantize them W8A8 dynamic")
@@ -356,6 +387,19 @@ def as_loaded(param: torch.Tensor, tensor: torch.Tensor, key: str, path: Path) -
     return tensor
 
 
+def unpack_weights(model: nn.Module) -> None:
+    """After loading, compressed-tensors' pack-quantized weights as the int8 [N, K] the kernels read: each int32 word
+    holds four values plus 128, the first in its low byte (the package's own unpack_from_int32 undoes it)."""
+    from compressed_tensors import unpack_from_int32
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.scheme is not None and module.scheme.packed:
+            packed = module.weight_packed
+            del module.weight_packed
+            shape = torch.Size([module.out_features, module.in_features])
+            module.weight = nn.Parameter(unpack_from_int32(packed.data, 8, shape), requires_grad=False)
+
+
 def deq_scale_from_int64(packed: torch.Tensor) -> torch.Tensor:
     """fp32 scales from the int64 form npu_trans_quant_param makes for fp16 models (docs/npu.md, section 13): the
     scale's fp32 bits, their low 13 cleared, in the low 32 bits; flags above them."""
@@ -377,7 +421,7 @@ def folded_into_quant_bias(model: nn.Module, key: str) -> bool:
     except AttributeError:  # (no such layer: the loader names the tensor as unexpected)
         return False
     scheme = getattr(module, "scheme", None)
-    return scheme is not None and scheme.modelslim and not scheme.dynamic
+    return scheme is not None and scheme.modelslim and scheme.static
 
 
 def fold_modelslim(model: nn.Module) -> None:
@@ -390,11 +434,15 @@ def fold_modelslim(model: nn.Module) -> None:
         scheme = getattr(module, "scheme", None)
         if not isinstance(module, Linear) or scheme is None or not scheme.modelslim:
             continue
-        if module.weight_offset.any():
+        offset = module.weight_offset
+        if scheme.weight_only and not torch.isfinite(offset).all():
+            raise UnsupportedQuantization(f"{name}: weight_offset holds a value that is not finite")
+        if offset.any() and not scheme.weight_only:
             raise UnsupportedQuantization(f"{name}: weight_offset is not zero; asymmetric int8 weights are not "
                                           "served (vllm-ascend's W8A8 methods do not read it either)")
-        del module.weight_offset
-        if scheme.dynamic:
+        del module.weight_offset  # (W8A16 keeps one that is not all zero: vllm-ascend's antiquant_offset)
+        module.weight_offset = nn.Parameter(offset.float(), requires_grad=False) if offset.any() else None
+        if not scheme.static:
             continue
         scale, offset, deq = module.input_scale, module.input_offset, module.deq_scale.float()
         if (scale != scale[0]).any() or (offset != offset[0]).any():

@@ -40,6 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("input_scale") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("input_offset") = pybind11::none());
   m.def("has_linear_int8_weights", &has_linear_int8_weights, "whether this build has linear_int8_weights");
+  m.def("linear_w8a16", &linear_w8a16, "W8A16: a few rows times int8 weights dequantized in the inner loop (AVX2)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"),
+        pybind11::arg("weight_offset") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
+  m.def("has_linear_w8a16", &has_linear_w8a16, "whether this build has linear_w8a16");
+  m.def("dequantize_int8", &dequantize_int8, "int8 weights [N, K] as (q + offset) * scale, in bf16 or fp32",
+        pybind11::arg("weight"), pybind11::arg("weight_scale"), pybind11::arg("weight_offset"), pybind11::arg("bf16"));
   m.def("fused_experts", &fused_experts, "a MoE layer's experts on tokens sorted by expert, combined per token");
   m.def("has_fused_experts", &has_fused_experts, "whether this build has fused_experts");
   m.def("expert_stripe", &expert_stripe, "the columns of one stripe of fused_experts' weights");

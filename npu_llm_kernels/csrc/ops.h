@@ -44,6 +44,14 @@ at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, co
                                const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& input_offset);
 bool has_linear_int8_weights();
+// W8A16 (csrc/linear_w8a16.cpp): a few rows of x (fp32 or bf16) times int8 weights [N, K] dequantized in the inner
+// loop, with fp32 scales [N, G] and per-channel offsets [N, 1] (AVX2 builds; has_linear_w8a16 says); and a block of
+// those weights dequantized to fp32 or bf16, for a matmul library (every build).
+at::Tensor linear_w8a16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias);
+bool has_linear_w8a16();
+at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                           bool bf16);
 // The experts of a MoE layer (npu_llm_kernels/torch_ref.py fused_experts), x and weights fp32 or bf16, the weights in
 // stripes of expert_stripe() columns ([E, N / S, K, S]); experts with at least `onednn_from` tokens (0: none) run their
 // matmuls through oneDNN's matmul, bf16 ones with at least `brgemm_from` (0: none; pairs builds) through its brgemm

@@ -617,10 +617,11 @@ from ._mla import (  # noqa: E402, F401
     npu_interleave_rope,
     npu_kv_rmsnorm_rope_cache,
 )
-from ._quant import (  # noqa: E402, F401  (W8A8)
+from ._quant import (  # noqa: E402, F401  (W8A8, W8A16)
     get_npu_format,
     npu_dynamic_quant,
     npu_format_cast,
     npu_quant_matmul,
     npu_quantize,
+    npu_weight_quant_batchmatmul,
 )

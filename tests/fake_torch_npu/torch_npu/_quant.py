@@ -1,10 +1,13 @@
-"""The fake's W8A8 ops, as vllm-ascend v0.23.0's w8a8 (static) and w8a8_dynamic linear methods call them.
+"""The fake's W8A8 and W8A16 ops, as vllm-ascend v0.23.0's w8a8 (static), w8a8_dynamic and w8a16 linear methods call
+them.
 
 Schemas: op-plugin master op_plugin_functions.yaml. Semantics and refusals: each op's doc (docs/npu.md section 13):
 npu_dynamic_quant (scale = row absmax / 127, y = round(x / scale)), npu_quantize with div_mode=False
 (y = int8(x * scales + zero_points)), npu_quant_matmul (x1 @ x2 * scale [* pertoken_scale] + bias, with its table
 of supported scale, bias, pertoken and output dtypes on A2/A3), npu_format_cast (layout only; the fake records the
-format, get_npu_format reads it). Modes vllm-ascend does not use raise as "not part of the fake".
+format, get_npu_format reads it), npu_weight_quant_batchmatmul (x @ ((weight + antiquant_offset) * antiquant_scale)
++ bias, the scale and offset [N] per channel or [ceil(K / group), N] per group, in x's dtype). Modes vllm-ascend does
+not use raise as "not part of the fake".
 """
 from __future__ import annotations
 
@@ -135,4 +138,58 @@ def _quant_matmul(x1, x2, scale, pertoken_scale, bias, y):
         out = out * pertoken_scale.unsqueeze(-1)
     if bias is not None and bias.dtype != torch.int32:
         out = out + bias.float()
+    y.copy_(out)
+
+
+def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                 quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0):
+    name = "npu_weight_quant_batchmatmul"
+    _count(name)
+    _on_device(name, x=x, weight=weight, antiquant_scale=antiquant_scale)
+    _not_in_fake(name, quant_scale is None and quant_offset is None, "a quantized (int8) output")
+    _require(x.dtype in _HALF, f"{name}: x must be fp16 or bf16, got {x.dtype}")
+    _require(weight.dtype == torch.int8, f"{name}: the fake covers int8 weights (W8A16), got {weight.dtype}")
+    _require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[0],
+             f"{name}: x [M, K] and weight [K, N], got {list(x.shape)} and {list(weight.shape)}")
+    k, n = weight.shape
+    _not_in_fake(name, antiquant_scale.dtype != torch.int64, "an int64 (fp16 per-channel) antiquant_scale")
+    _require(antiquant_scale.dtype == x.dtype, f"{name}: antiquant_scale must be in x's dtype {x.dtype}, got "
+                                               f"{antiquant_scale.dtype}")
+    if antiquant_group_size:
+        _require(antiquant_group_size % 32 == 0 and 32 <= antiquant_group_size <= k - 1,
+                 f"{name}: antiquant_group_size must be a multiple of 32 in [32, K - 1], got {antiquant_group_size}")
+        groups = -(-k // antiquant_group_size)
+        _require(tuple(antiquant_scale.shape) == (groups, n),
+                 f"{name}: per group, antiquant_scale must be [ceil(K / group) = {groups}, N = {n}], got "
+                 f"{list(antiquant_scale.shape)}")
+    else:
+        _require(antiquant_scale.numel() in (1, n) and antiquant_scale.dim() <= 2
+                 and (antiquant_scale.dim() < 2 or antiquant_scale.shape[0] == 1),
+                 f"{name}: per channel, antiquant_scale must be [N = {n}], [1, N] or [1], got "
+                 f"{list(antiquant_scale.shape)}")
+    if antiquant_offset is not None:
+        _on_device(name, antiquant_offset=antiquant_offset)
+        _require(antiquant_offset.dtype == antiquant_scale.dtype and antiquant_offset.shape == antiquant_scale.shape,
+                 f"{name}: antiquant_offset must match antiquant_scale's dtype and shape")
+    if bias is not None:
+        _on_device(name, bias=bias)
+        _require(bias.numel() == n, f"{name}: bias must hold N = {n} values, got {list(bias.shape)}")
+        _require(bias.dtype == (torch.float32 if x.dtype == torch.bfloat16 else torch.float16),
+                 f"{name}: a {x.dtype} x takes a {'float32' if x.dtype == torch.bfloat16 else 'float16'} bias, "
+                 f"got {bias.dtype}")
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    _graphs.launch(_weight_quant_matmul, ("y",), x=x, weight=weight, scale=antiquant_scale, offset=antiquant_offset,
+                   group=antiquant_group_size, bias=bias, y=y)
+    return y
+
+
+def _weight_quant_matmul(x, weight, scale, offset, group, bias, y):
+    """weight [K, N]: dequantized in fp32, each group of `group` rows of K (or all of K) with its row of scales."""
+    k, n = weight.shape
+    w = weight.float() if offset is None else weight.float() + offset.float().reshape(-1, n).repeat_interleave(
+        group or k, dim=0)[:k]
+    w = w * scale.float().reshape(-1, n).repeat_interleave(group or k, dim=0)[:k]
+    out = x.float() @ w.to(x.dtype).float()
+    if bias is not None:
+        out = out + bias.float().reshape(n)
     y.copy_(out)
