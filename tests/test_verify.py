@@ -68,9 +68,10 @@ def test_a_moe_model_passes_on_the_npu_with_decode_graphs_and_a_broken_router_fa
 
 
 @pytest.mark.slow
-def test_a_quantized_model_against_its_source_passes_dynamic_and_fails_static(tmp_path, default_model_dir):
+def test_a_quantized_model_against_its_source_passes_dynamic_and_w8a16_and_fails_static(tmp_path, default_model_dir):
     """`verify --reference`: W8A8 dynamic costs the default model what its scheme's tolerance allows; static W8A8,
-    with one scale per layer for SmolLM2's outlier activations, costs more, and verify says so."""
+    with one scale per layer for SmolLM2's outlier activations, costs more, and verify says so; grouped W8A16 passes
+    its own, tighter tolerance."""
     from backend.quantize import quantize_checkpoint
     from backend.verify import verify
 
@@ -85,3 +86,9 @@ def test_a_quantized_model_against_its_source_passes_dynamic_and_fails_static(tm
     _, figures = verify(EngineConfig(model=str(static), device="cpu", dtype="bfloat16"), steps=8,
                         reference=str(default_model_dir))
     assert {"logits cosine", "logits top-1 agreement"} <= {f.name for f in figures if not f.passed}
+
+    weights_only = quantize_checkpoint(str(default_model_dir), tmp_path / "w8a16", "w8a16", group_size=64)
+    _, figures = verify(EngineConfig(model=str(weights_only), device="cpu", dtype="bfloat16"), steps=8,
+                        reference=str(default_model_dir))
+    assert all(f.passed for f in figures), [f for f in figures if not f.passed]
+    assert [f.limit for f in figures if f.name == "logits top-1 agreement"] == [0.9]
