@@ -21,9 +21,7 @@ import torch.nn.functional as F
 
 from npu_llm_kernels import torch_ref
 from npu_llm_kernels.timing import scope
-from npu_llm_kernels.torch_ref import (  # noqa: F401  (int8 stays [N, K])
-    pack_int8_expert_weights, pack_int8_weight, pack_w8a16_weight,
-)
+from npu_llm_kernels.torch_ref import pack_int8_expert_weights, pack_w8a16_weight  # noqa: F401  (int8 stays [N, K])
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features
 from npu_llm_kernels.metadata import AttentionMetadata
@@ -143,32 +141,65 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x.float(), weight, bias, "none", [None], "").to(x.dtype)
 
 
-# From this many rows, with VNNI, oneDNN's int8 GEMM; below, the AVX2 kernel, which measured faster on an AMD Zen 4
-# (AVX512-VNNI; one layer of the default model, bf16 activations): at 1 row 19 us against oneDNN's 56, at 8 rows
-# 68-85 against 102-113, at 64 rows 538-652 against 289-301.
+# From this many rows, with VNNI, oneDNN's int8 GEMM on prepacked weights (the AMX tiles' where the CPU has AMX-INT8);
+# below, the AVX2 kernel. Measured on a Sapphire Rapids (AMX; the default model's layers, bf16 activations, the GEMM
+# alone): at 1 row 12-29 us against oneDNN's 26-35, at 4 rows 27-69 against 29-33, from 8 rows oneDNN faster (at 64
+# rows 39-77 us against 338-981). On an AMD Zen 4 (AVX512-VNNI, no AMX) only oneDNN's GEMM on weights it reordered
+# each call was measured (torch._int_mm: at 8 rows 102-113 us against the kernel's 68-85), hence 16 there.
+ONEDNN_INT8_ROWS_AMX = 4
 ONEDNN_INT8_ROWS = 16
+
+
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """int8 weights [N, K]: with VNNI, prepacked for oneDNN's int8 GEMM (`onednn.qlinear_prepack`, its blocked
+    layout for this CPU, reordered once here instead of at each call), carrying the plain weights as `.plain` for the
+    AVX2 kernel's few-row calls and its zero points; elsewhere as they are."""
+    if not (cpu_features().vnni and _enabled() and torch.backends.mkldnn.is_available()
+            and _extension() is not None and _extension().has_linear_int8_weights()):
+        return weight
+    packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+    packed.plain, packed.zero_points = weight.contiguous(), torch.zeros(weight.shape[0], dtype=torch.long)
+    return packed
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                 bias: torch.Tensor | None = None, input_offset: torch.Tensor | None = None) -> torch.Tensor:
     """torch_ref.int8_linear's W8A8 matmul, with the weights int8 in memory and the int8 products summed exactly.
 
-    With AVX512-VNNI, from ONEDNN_INT8_ROWS rows: oneDNN's int8 GEMM (torch._int_mm, int32 accumulators) on
-    activations quantized by torch_ref. Without VNNI oneDNN's int8 GEMM is not used: it multiplies through 16-bit
-    intermediates that saturate on full-range int8 weights (measured on an AVX2 EPYC: errors of 2.3 on outputs of
-    14; exact with |w| <= 63). There, and below ONEDNN_INT8_ROWS rows, csrc/linear_int8_avx2.cpp quantizes the
-    activations (fp32 or bf16) and multiplies in 16 bits with 32-bit sums. Elsewhere (no extension, K not a multiple
-    of 16, fp16): torch_ref.
+    Weights pack_int8_weight prepacked (VNNI), from ONEDNN_INT8_ROWS rows: the extension quantizes the rows in one
+    pass, oneDNN's int8 GEMM (`onednn.qlinear_pointwise`, int32 sums times the weight scales, in fp32) multiplies,
+    and the extension scales each row and adds the bias in one pass. Other int8 weights (the experts'), with VNNI:
+    oneDNN's int8 GEMM through torch._int_mm on activations quantized by torch_ref. Without VNNI oneDNN's int8 GEMM is
+    not used: it multiplies through 16-bit intermediates that saturate on full-range int8 weights (measured on an
+    AVX2 EPYC: errors of 2.3 on outputs of 14; exact with |w| <= 63). There, and below ONEDNN_INT8_ROWS rows,
+    csrc/linear_int8_avx2.cpp quantizes the activations (fp32 or bf16) and multiplies in 16 bits with 32-bit sums.
+    Elsewhere (no extension, K not a multiple of 16, fp16): torch_ref.
     """
     features, ext = cpu_features(), _extension()
+    plain = getattr(weight, "plain", weight)
     kernel = ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
         x.dtype in (torch.float32, torch.bfloat16)
-    if features.vnni and _enabled() and not (kernel and x.numel() // x.shape[-1] < ONEDNN_INT8_ROWS):
-        return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset,
+    few = x.numel() // x.shape[-1] < (ONEDNN_INT8_ROWS_AMX if features.level == "amx" else ONEDNN_INT8_ROWS)
+    if plain is not weight and kernel and not few:
+        return _onednn_int8_linear(ext, x, weight, weight_scale, input_scale, bias, input_offset)
+    if features.vnni and _enabled() and not (kernel and few):
+        return torch_ref.int8_linear(x, plain, weight_scale, input_scale, bias, input_offset,
                                      int8_matmul=_onednn_int8_matmul)
     if kernel:
-        return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias, input_offset)
-    return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset)
+        return ext.linear_int8_weights(x, plain, weight_scale, input_scale, bias, input_offset)
+    return torch_ref.int8_linear(x, plain, weight_scale, input_scale, bias, input_offset)
+
+
+def _onednn_int8_linear(ext, x, packed, weight_scale, input_scale, bias, input_offset) -> torch.Tensor:
+    q, row_scales = ext.quantize_int8_rows(x, input_scale, input_offset)
+    sums = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, weight_scale.reshape(-1).float(), packed.zero_points,
+                                              None, 1.0, 0, torch.float32, "none", [], "")
+    y = ext.scale_int8_sums(sums, row_scales, bias, x.dtype == torch.bfloat16)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _onednn_int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch._int_mm(q.to(torch.int8), weight.t()).float()
 
 
 # W8A16 below this many rows: csrc/linear_w8a16.cpp, dequantizing in its inner loop; from it, blocks of weights
@@ -195,10 +226,6 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     y = torch_ref.w8a16_linear(x.to(compute), weight, weight_scale, weight_offset,
                                None if bias is None else bias.to(compute), dequantize=dequantize)
     return y.to(x.dtype)
-
-
-def _onednn_int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch._int_mm(q.to(torch.int8), weight.t()).float()
 
 
 def _avx2_linear():

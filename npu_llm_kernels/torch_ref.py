@@ -60,7 +60,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     q [T, K] (int8 values in fp32) times weight^T in a kernel of its own, into fp32 [T, N]."""
     q, scale = quantize_int8(x.reshape(-1, x.shape[-1]), input_scale, input_offset)
     products = F.linear(q, weight.float()) if int8_matmul is None else int8_matmul(q, weight)
-    y = products * scale * weight_scale.view(1, -1).float()
+    y = products * weight_scale.view(1, -1).float() * scale  # (the order oneDNN's GEMM and its epilogue take: cpu.py)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -89,22 +89,26 @@ def test_quantized_logits_stay_close_to_the_unquantized_model(quantized, source)
 
 @pytest.mark.parametrize("static, offset", [(False, None), (True, None), (True, -37.0)])
 def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, offset, cpu_level):
-    """At this CPU level (VNNI: oneDNN's int8 GEMM; else the extension's AVX2 kernel; K not a multiple of 16, or no
-    AVX2: torch_ref), from a decode row to a prefill chunk: fp32 activations give torch_ref's very result (the int8
-    products are summed exactly either way), bf16 ones the same within bf16's rounding of the output. (offset:
+    """At this CPU level (VNNI: oneDNN's int8 GEMM, on weights pack_int8_weight prepacked or on plain ones as the
+    experts hold them; else the extension's AVX2 kernel; K not a multiple of 16, or no AVX2: torch_ref), from a decode
+    row to a prefill chunk: fp32 activations give torch_ref's very result (the int8 products are summed exactly
+    either way, and scaled in one order), bf16 ones the same within bf16's rounding of the output. (offset:
     msModelSlim's asymmetric static activations.)"""
     torch.manual_seed(0)
     for rows, k, n in [(1, 64, 96), (3, 576, 193), (17, 128, 64), (300, 256, 160), (5, 72, 33)]:
-        weight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        plain = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         weight_scale, bias = torch.rand(n, 1) / 100, torch.randn(n)
         x = torch.randn(rows, k).bfloat16()
         input_scale = x.float().abs().amax().reshape(1) / 127.5 if static else None
         input_offset = None if offset is None else torch.tensor([offset])
-        exact = cpu.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(), input_offset)
-        assert torch.equal(exact, torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale,
-                                                        bias.bfloat16().float(), input_offset)), (rows, k, n)
+        reference = torch_ref.int8_linear(x.float(), plain, weight_scale, input_scale, bias.bfloat16().float(),
+                                          input_offset)
+        for weight in (cpu.pack_int8_weight(plain), plain):
+            exact = cpu.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(), input_offset)
+            assert torch.equal(exact, reference), (rows, k, n, weight is plain)
+        weight = cpu.pack_int8_weight(plain)
         got = cpu.int8_linear(x, weight, weight_scale, input_scale, bias.bfloat16(), input_offset)
-        want = torch_ref.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(),
+        want = torch_ref.int8_linear(x.float(), plain, weight_scale, input_scale, bias.bfloat16().float(),
                                      input_offset)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max(), (rows, k, n)

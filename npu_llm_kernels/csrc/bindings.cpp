@@ -39,6 +39,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"),
         pybind11::arg("input_scale") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("input_offset") = pybind11::none());
+  m.def("quantize_int8_rows", &quantize_int8_rows, "x's rows quantized to int8: (q, scales) (AVX2)",
+        pybind11::arg("x"), pybind11::arg("input_scale") = pybind11::none(),
+        pybind11::arg("input_offset") = pybind11::none());
+  m.def("scale_int8_sums", &scale_int8_sums, "an int8 GEMM's sums times each row's scale, plus the bias (AVX2)",
+        pybind11::arg("sums"), pybind11::arg("row_scales"), pybind11::arg("bias"), pybind11::arg("bf16"));
   m.def("has_linear_int8_weights", &has_linear_int8_weights, "whether this build has linear_int8_weights");
   m.def("linear_w8a16", &linear_w8a16, "W8A16: a few rows times int8 weights dequantized in the inner loop (AVX2)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"),

@@ -8,6 +8,10 @@
 // multiplied with vpmaddwd: pairs of int16 products summed into int32, exact, 16 multiply-adds an instruction
 // (twice an fp32 FMA's 8), from weights that stream a quarter of the bytes of fp32 ones.
 //
+// quantize_int8_rows and scale_int8_sums are the two ends of the same product where oneDNN's int8 GEMM does the middle
+// (CPUs with VNNI, npu_llm_kernels/cpu.py): each row quantized in one pass, and the GEMM's sums (already times the
+// weight scales) times each row's scale, plus the bias, in one pass to the output's dtype.
+//
 // Work: stripes of NB output features are spread over the threads; inside a stripe (its weights stay in L2), each
 // group of up to 4 rows of x (in L1, as int16) meets NT weight rows at a time, into NT x M int32 accumulators.
 #include "ops.h"
@@ -107,7 +111,7 @@ void rows(const int16_t* q, const float* xscale, const int8_t* w, const float* w
     }
     for (int m = 0; m < M; ++m)
       for (int j = 0; j < width; ++j)
-        out[m * n + n0 + j] = static_cast<float>(acc[m][j]) * xscale[m] * wscale[n0 + j] + (bias ? bias[n0 + j] : 0.f);
+        out[m * n + n0 + j] = static_cast<float>(acc[m][j]) * wscale[n0 + j] * xscale[m] + (bias ? bias[n0 + j] : 0.f);
   }
 }
 
@@ -136,27 +140,114 @@ void linear(const T* x, int64_t m, int64_t k, const int8_t* w, const float* wsca
   });
 }
 
-}  // namespace
+// The per-call checks and fp32 views both entry points share: (x as [M, K], its static scale or 0, its offset).
+struct Activations {
+  at::Tensor flat;
+  float static_scale, offset;
+};
 
-at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                               const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
-                               const std::optional<at::Tensor>& input_offset) {
+Activations activations(const at::Tensor& x, int64_t k, const std::optional<at::Tensor>& input_scale,
+                        const std::optional<at::Tensor>& input_offset) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(), "weight: int8 [N, K]");
-  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && weight_scale.is_cpu(), "CPU tensors only");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(x.size(-1) == k && k % KSTEP == 0, "x [.., K] with K a multiple of 16");
-  TORCH_CHECK(weight_scale.numel() == n, "weight_scale: one scale per output feature");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "bias: one value per output feature");
+  TORCH_CHECK(x.is_cpu() && x.size(-1) == k && k % KSTEP == 0, "x [.., K] on the CPU, with K a multiple of 16");
   TORCH_CHECK(!input_scale.has_value() || input_scale->numel() == 1, "input_scale: one value");
-  const at::Tensor scales = weight_scale.to(at::kFloat).contiguous().reshape({n});
-  const at::Tensor flat = x.reshape({-1, k}).contiguous();
-  const int64_t m = flat.size(0);
   const float static_scale = input_scale.has_value() ? input_scale->to(at::kFloat).item<float>() : 0.f;
   TORCH_CHECK(!input_scale.has_value() || static_scale > 0.f, "input_scale must be positive");  // (checked at load)
   TORCH_CHECK(!input_offset.has_value() || (input_scale.has_value() && input_offset->numel() == 1),
               "input_offset: one value, beside a static input_scale");
   const float offset = input_offset.has_value() ? input_offset->to(at::kFloat).item<float>() : 0.f;
+  return {x.reshape({-1, k}).contiguous(), static_scale, offset};
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, float static_scale, float offset, int8_t* q, float* scales) {
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> row(k);
+    for (int64_t r = begin; r < end; ++r) {
+      scales[r] = quantize_row(x + r * k, k, static_scale, offset, row.data());
+      int8_t* out = q + r * k;
+#pragma omp simd
+      for (int64_t c = 0; c < k; ++c) out[c] = static_cast<int8_t>(row[c]);  // (int8 values already)
+    }
+  });
+}
+
+// y = sums * scale (+ bias), multiplied then added, as torch_ref rounds them: contracting the two into one FMA (which
+// -O3 does) would round once where torch_ref rounds twice, and fp32 results would differ from its in the last bit.
+__attribute__((optimize("fp-contract=off"))) inline float scaled(const float* sums, float scale, const float* bias,
+                                                                  int64_t c) {
+  const float product = sums[c] * scale;
+  return bias ? product + bias[c] : product;
+}
+
+__attribute__((optimize("fp-contract=off"))) void scale_row(const float* sums, float scale, const float* bias,
+                                                            int64_t n, float* y) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) y[c] = scaled(sums, scale, bias, c);
+}
+
+__attribute__((optimize("fp-contract=off"))) void scale_row(const float* sums, float scale, const float* bias,
+                                                            int64_t n, uint16_t* y) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) y[c] = bf16_bits(scaled(sums, scale, bias, c));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor& x, const std::optional<at::Tensor>& input_scale,
+                                                      const std::optional<at::Tensor>& input_offset) {
+  const Activations a = activations(x, x.size(-1), input_scale, input_offset);
+  const int64_t m = a.flat.size(0), k = a.flat.size(1);
+  at::Tensor q = at::empty({m, k}, a.flat.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({m}, a.flat.options().dtype(at::kFloat));
+  if (a.flat.scalar_type() == at::kFloat) {
+    quantize_rows(a.flat.data_ptr<float>(), m, k, a.static_scale, a.offset, q.data_ptr<int8_t>(),
+                  scales.data_ptr<float>());
+  } else {
+    quantize_rows(a.flat.data_ptr<at::BFloat16>(), m, k, a.static_scale, a.offset, q.data_ptr<int8_t>(),
+                  scales.data_ptr<float>());
+  }
+  return {q, scales};
+}
+
+at::Tensor scale_int8_sums(const at::Tensor& sums, const at::Tensor& row_scales, const std::optional<at::Tensor>& bias,
+                           bool bf16) {
+  TORCH_CHECK(sums.scalar_type() == at::kFloat && sums.dim() == 2 && sums.is_contiguous(), "sums: fp32 [M, N]");
+  const int64_t m = sums.size(0), n = sums.size(1);
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m, "row_scales: fp32 [M]");
+  std::optional<at::Tensor> fp32_bias;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "bias: one value per output feature");
+    fp32_bias = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({m, n}, sums.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const float* s = sums.data_ptr<float>();
+  const float* rs = row_scales.data_ptr<float>();
+  const float* b = fp32_bias.has_value() ? fp32_bias->data_ptr<float>() : nullptr;
+  void* dst = out.data_ptr();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (bf16) {
+        scale_row(s + r * n, rs[r], b, n, static_cast<uint16_t*>(dst) + r * n);
+      } else {
+        scale_row(s + r * n, rs[r], b, n, static_cast<float*>(dst) + r * n);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                               const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& input_offset) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(), "weight: int8 [N, K]");
+  TORCH_CHECK(weight.is_cpu() && weight_scale.is_cpu(), "CPU tensors only");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(weight_scale.numel() == n, "weight_scale: one scale per output feature");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "bias: one value per output feature");
+  const at::Tensor scales = weight_scale.to(at::kFloat).contiguous().reshape({n});
+  const auto [flat, static_scale, offset] = activations(x, k, input_scale, input_offset);
+  const int64_t m = flat.size(0);
   std::optional<at::Tensor> fp32_bias;
   if (bias.has_value()) fp32_bias = bias->to(at::kFloat).contiguous();
   at::Tensor out = at::empty({m, n}, flat.options().dtype(at::kFloat));
@@ -180,6 +271,15 @@ bool has_linear_int8_weights() { return true; }
 at::Tensor linear_int8_weights(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "linear_int8_weights needs AVX2 and FMA");
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                      const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "quantize_int8_rows needs AVX2 and FMA");
+}
+
+at::Tensor scale_int8_sums(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool) {
+  TORCH_CHECK(false, "scale_int8_sums needs AVX2 and FMA");
 }
 
 bool has_linear_int8_weights() { return false; }

@@ -12,16 +12,7 @@
 #include "ops.h"
 #include "vec_math.h"
 
-#include <cstring>
-
 namespace {
-
-// fp32 -> bf16, rounded to nearest even (the weights here are finite: their scales are checked at load).
-inline uint16_t to_bf16_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 void check_w8a16(const at::Tensor& weight, const at::Tensor& scale, const std::optional<at::Tensor>& offset) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(), "weight: int8 [N, K]");
@@ -59,7 +50,7 @@ at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scale, co
         } else {
           uint16_t* y = static_cast<uint16_t*>(dst) + r * k;
 #pragma omp simd
-          for (int64_t c = c0; c < c0 + group; ++c) y[c] = to_bf16_bits((static_cast<float>(row[c]) + shift) * sg);
+          for (int64_t c = c0; c < c0 + group; ++c) y[c] = bf16_bits((static_cast<float>(row[c]) + shift) * sg);
         }
       }
     }

@@ -28,6 +28,15 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// fp32 -> bf16 bits, rounded to nearest even, NaN kept a (quiet) NaN: c10::BFloat16's rounding in integer operations
+// the compiler vectorizes (the c10 conversion, called per value, does not).
+inline uint16_t bf16_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
 // s[0 .. n) <- softmax(s[0 .. n)), in fp32.
 inline void softmax_in_place(float* s, int64_t n) {
   float max = -std::numeric_limits<float>::infinity();
