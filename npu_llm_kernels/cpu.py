@@ -142,23 +142,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # From this many rows, with VNNI, oneDNN's int8 GEMM on prepacked weights (the AMX tiles' where the CPU has AMX-INT8);
-# below, the AVX2 kernel. Measured on a Sapphire Rapids (AMX; the default model's layers, bf16 activations, the GEMM
-# alone): at 1 row 12-29 us against oneDNN's 26-35, at 4 rows 27-69 against 29-33, from 8 rows oneDNN faster (at 64
-# rows 39-77 us against 338-981). On an AMD Zen 4 (AVX512-VNNI, no AMX) only oneDNN's GEMM on weights it reordered
-# each call was measured (torch._int_mm: at 8 rows 102-113 us against the kernel's 68-85), hence 16 there.
+# below, the AVX2 kernel, for layers of up to SMALL_INT8_LAYER weights. Measured on a Sapphire Rapids (AMX; bf16
+# activations, whole calls): on the default model's layers (K 576-1536, N 576-3072) the kernel took 12-30 us at 1 row
+# against oneDNN's 34-47, 26-67 against 39-49 at 4 rows, and from 8 rows oneDNN was faster (at 64 rows 63-153 us
+# against 322-941). On a 7B-sized layer (K 4096, N 11008) the two were level at 1 row (939 and 977 us) and oneDNN
+# faster from 4. On an AMD Zen 4 (AVX512-VNNI, no AMX) only oneDNN's GEMM on weights it reordered each call was
+# measured (torch._int_mm: at 8 rows 102-113 us against the kernel's 68-85), hence 16 there.
 ONEDNN_INT8_ROWS_AMX = 4
 ONEDNN_INT8_ROWS = 16
+# Up to this many weights, a layer keeps its plain int8 weights beside the prepacked ones, for the AVX2 kernel's
+# few-row calls (where the fixed cost of oneDNN's three-step call dominates): twice the int8 bytes, as many as bf16,
+# on small layers only. Larger layers hold the prepacked weights alone, half of bf16's bytes, and oneDNN takes every
+# call.
+SMALL_INT8_LAYER = 1 << 22
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
     """int8 weights [N, K]: with VNNI, prepacked for oneDNN's int8 GEMM (`onednn.qlinear_prepack`, its blocked
-    layout for this CPU, reordered once here instead of at each call), carrying the plain weights as `.plain` for the
-    AVX2 kernel's few-row calls and its zero points; elsewhere as they are."""
-    if not (cpu_features().vnni and _enabled() and torch.backends.mkldnn.is_available()
-            and _extension() is not None and _extension().has_linear_int8_weights()):
+    layout for this CPU, reordered once here instead of at each call), with the zero points of its weights, and for
+    small layers the plain weights as `.plain`; elsewhere, or where the extension's ends of that call (which need
+    AVX2) or K a multiple of 16 are missing, as they are."""
+    ext = _extension()
+    if not (cpu_features().vnni and torch.backends.mkldnn.is_available() and ext is not None
+            and ext.has_linear_int8_weights() and weight.shape[1] % 16 == 0):
         return weight
     packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
-    packed.plain, packed.zero_points = weight.contiguous(), torch.zeros(weight.shape[0], dtype=torch.long)
+    packed.zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    packed.out_features = weight.shape[0]
+    if weight.numel() <= SMALL_INT8_LAYER:
+        packed.plain = weight.contiguous()
     return packed
 
 
@@ -166,36 +178,51 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 bias: torch.Tensor | None = None, input_offset: torch.Tensor | None = None) -> torch.Tensor:
     """torch_ref.int8_linear's W8A8 matmul, with the weights int8 in memory and the int8 products summed exactly.
 
-    Weights pack_int8_weight prepacked (VNNI), from ONEDNN_INT8_ROWS rows: the extension quantizes the rows in one
-    pass, oneDNN's int8 GEMM (`onednn.qlinear_pointwise`, int32 sums times the weight scales, in fp32) multiplies,
-    and the extension scales each row and adds the bias in one pass. Other int8 weights (the experts'), with VNNI:
-    oneDNN's int8 GEMM through torch._int_mm on activations quantized by torch_ref. Without VNNI oneDNN's int8 GEMM is
-    not used: it multiplies through 16-bit intermediates that saturate on full-range int8 weights (measured on an
-    AVX2 EPYC: errors of 2.3 on outputs of 14; exact with |w| <= 63). There, and below ONEDNN_INT8_ROWS rows,
-    csrc/linear_int8_avx2.cpp quantizes the activations (fp32 or bf16) and multiplies in 16 bits with 32-bit sums.
-    Elsewhere (no extension, K not a multiple of 16, fp16): torch_ref.
+    Weights pack_int8_weight prepacked (VNNI), from ONEDNN_INT8_ROWS rows (from one, for large layers): the
+    extension quantizes the rows in one pass (as q + 128 in uint8, the zero point oneDNN's fast kernels take), oneDNN's
+    int8 GEMM (`onednn.qlinear_pointwise`, int32 sums times the weight scales, in fp32) multiplies, and the extension
+    scales each row and adds the bias in one pass. Other int8 weights (the experts'), with VNNI: oneDNN's int8 GEMM
+    through torch._int_mm on activations quantized by torch_ref. Without VNNI oneDNN's int8 GEMM is not used: it
+    multiplies through 16-bit intermediates that saturate on full-range int8 weights (measured on an AVX2 EPYC:
+    errors of 2.3 on outputs of 14; exact with |w| <= 63). There, and below ONEDNN_INT8_ROWS rows, the extension's
+    kernel (csrc/linear_int8_avx2.cpp) quantizes the activations (fp32 or bf16) and multiplies in 16 bits with 32-bit
+    sums. Elsewhere (no extension, K not a multiple of 16, fp16): torch_ref.
     """
     features, ext = cpu_features(), _extension()
-    plain = getattr(weight, "plain", weight)
     kernel = ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
         x.dtype in (torch.float32, torch.bfloat16)
     few = x.numel() // x.shape[-1] < (ONEDNN_INT8_ROWS_AMX if features.level == "amx" else ONEDNN_INT8_ROWS)
-    if plain is not weight and kernel and not few:
-        return _onednn_int8_linear(ext, x, weight, weight_scale, input_scale, bias, input_offset)
+    if hasattr(weight, "out_features"):  # prepacked
+        if not (kernel and few and hasattr(weight, "plain")):
+            return _onednn_int8_linear(x, weight, weight_scale, input_scale, bias, input_offset,
+                                       ext if kernel else None)
+        weight = weight.plain
     if features.vnni and _enabled() and not (kernel and few):
-        return torch_ref.int8_linear(x, plain, weight_scale, input_scale, bias, input_offset,
+        return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset,
                                      int8_matmul=_onednn_int8_matmul)
     if kernel:
-        return ext.linear_int8_weights(x, plain, weight_scale, input_scale, bias, input_offset)
-    return torch_ref.int8_linear(x, plain, weight_scale, input_scale, bias, input_offset)
+        return ext.linear_int8_weights(x, weight, weight_scale, input_scale, bias, input_offset)
+    return torch_ref.int8_linear(x, weight, weight_scale, input_scale, bias, input_offset)
 
 
-def _onednn_int8_linear(ext, x, packed, weight_scale, input_scale, bias, input_offset) -> torch.Tensor:
-    q, row_scales = ext.quantize_int8_rows(x, input_scale, input_offset)
-    sums = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, weight_scale.reshape(-1).float(), packed.zero_points,
-                                              None, 1.0, 0, torch.float32, "none", [], "")
-    y = ext.scale_int8_sums(sums, row_scales, bias, x.dtype == torch.bfloat16)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+def _onednn_int8_linear(x, packed, weight_scale, input_scale, bias, input_offset, ext) -> torch.Tensor:
+    """Rows quantized (as q + 128 in uint8: zero point 128), oneDNN's int8 GEMM on the prepacked weights (sums times
+    the weight scales, in fp32), then times each row's scale, plus the bias: each end one pass of the extension where
+    it applies (`ext`), else torch_ref's arithmetic in torch (fp16 activations; NPU_LLM_CPU_KERNELS=0 after packing)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if ext is not None:
+        q, row_scales = ext.quantize_rows_u8(flat, input_scale, input_offset)
+    else:
+        q, row_scales = torch_ref.quantize_int8(flat, input_scale, input_offset)
+        q, row_scales = (q + 128).to(torch.uint8), row_scales.expand(flat.shape[0], 1).reshape(-1)
+    sums = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, packed, weight_scale.reshape(-1).float(),
+                                              packed.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+    if ext is not None:
+        y = ext.scale_int8_sums(sums, row_scales, bias, x.dtype == torch.bfloat16)
+    else:
+        y = sums * row_scales.view(-1, 1)
+        y = (y if bias is None else y + bias.float()).to(x.dtype)
+    return y.reshape(*x.shape[:-1], packed.out_features)
 
 
 def _onednn_int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,14 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 
 def pack_w8a16_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor | None):
-    """int8 [N, K] -> [K, N] in FRACTAL_NZ; scales [N, G] (and offsets [N, 1]) -> [N] per channel, [G, N] per group."""
+    """int8 [N, K] -> [K, N] in FRACTAL_NZ; scales [N, G] (and offsets [N, 1]) -> [N] per channel, [G, N] per group.
+    The op takes groups of a multiple of 32 input features, fewer than K: others fail the load here, not a step."""
+    n, k = weight.shape
+    groups = weight_scale.shape[1]
+    if groups > 1 and ((k // groups) % 32 or k // groups >= k):
+        raise ValueError(f"W8A16 groups of {k // groups} input features: npu_weight_quant_batchmatmul takes groups of "
+                         f"a multiple of 32, fewer than K = {k}")
+
     def per_column(t):
         return None if t is None else (t.reshape(-1) if t.shape[1] == 1 else t.t().contiguous())
     return pack_int8_weight(weight), per_column(weight_scale), per_column(weight_offset)

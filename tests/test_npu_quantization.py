@@ -63,6 +63,16 @@ def test_npu_w8a16_linear_matches_torch_ref(fake_npu, groups, offset, dtype):
     assert fake_npu.calls == {"npu_format_cast": 1, "npu_weight_quant_batchmatmul": 1}
 
 
+def test_w8a16_groups_the_npu_op_does_not_take_fail_at_load(fake_npu):
+    """(compressed-tensors allows groups of any size; npu_weight_quant_batchmatmul takes multiples of 32 below K)"""
+    from npu_llm_kernels import npu
+
+    weight = torch.randint(-128, 128, (96, 128), dtype=torch.int8).to("npu")
+    with pytest.raises(ValueError, match="W8A16 groups of 16 input features: npu_weight_quant_batchmatmul takes"):
+        npu.pack_w8a16_weight(weight, torch.rand(96, 8).to("npu"), None)
+    assert npu.pack_w8a16_weight(weight, torch.rand(96, 2).to("npu"), None)[1].shape == (2, 96)
+
+
 def test_npu_quant_ops_reject_what_the_real_ops_reject(fake_npu):
     x = torch.randn(4, 64).bfloat16().to("npu")
     w = torch.randint(-128, 128, (64, 32), dtype=torch.int8).to("npu")

@@ -103,7 +103,7 @@ def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, offset,
         input_offset = None if offset is None else torch.tensor([offset])
         reference = torch_ref.int8_linear(x.float(), plain, weight_scale, input_scale, bias.bfloat16().float(),
                                           input_offset)
-        for weight in (cpu.pack_int8_weight(plain), plain):
+        for weight in (cpu.pack_int8_weight(plain), _prepacked_alone(plain), plain):
             exact = cpu.int8_linear(x.float(), weight, weight_scale, input_scale, bias.bfloat16().float(), input_offset)
             assert torch.equal(exact, reference), (rows, k, n, weight is plain)
         weight = cpu.pack_int8_weight(plain)
@@ -112,6 +112,56 @@ def test_the_cpu_int8_kernels_equal_the_reference_at_every_level(static, offset,
                                      input_offset)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max(), (rows, k, n)
+
+
+def _prepacked_alone(plain):
+    """pack_int8_weight's weights as a large layer holds them: prepacked only, oneDNN taking every call."""
+    weight = cpu.pack_int8_weight(plain)
+    if hasattr(weight, "plain"):
+        del weight.plain
+    return weight
+
+
+def test_prepacked_int8_weights_serve_fp16_and_a_run_without_the_extension(monkeypatch, cpu_level):
+    """Where the extension's ends of oneDNN's call do not apply, torch does them, to torch_ref's result."""
+    torch.manual_seed(0)
+    plain, weight_scale = torch.randint(-128, 128, (48, 64), dtype=torch.int8), torch.rand(48, 1) / 100
+    weight, x = cpu.pack_int8_weight(plain), torch.randn(20, 64)
+    assert hasattr(weight, "out_features") == cpu.cpu_features().vnni
+    got = cpu.int8_linear(x.half(), weight, weight_scale, None)
+    assert got.dtype == torch.float16 and torch.equal(got, torch_ref.int8_linear(x.half(), plain, weight_scale, None))
+    monkeypatch.setenv("NPU_LLM_CPU_KERNELS", "0")
+    assert torch.equal(cpu.int8_linear(x, weight, weight_scale, None), torch_ref.int8_linear(x, plain, weight_scale, None))
+
+
+_VNNI_WITHOUT_AMX = """
+import torch
+from npu_llm_kernels import cpu, torch_ref
+torch.manual_seed(0)
+plain, scale = torch.randint(-128, 128, (96, 256), dtype=torch.int8), torch.rand(96, 1) / 100
+x = torch.randn(40, 256)
+assert torch.equal(cpu.int8_linear(x, cpu.pack_int8_weight(plain), scale, None),
+                   torch_ref.int8_linear(x, plain, scale, None))
+print("EQUAL")
+"""
+
+
+def test_onednn_multiplies_int8_in_its_fast_kernel_where_vnni_has_no_amx(tmp_path):
+    """oneDNN held to AVX512-VNNI (a Zen 4 or an Ice Lake): the rows go to it unsigned with zero point 128, which its
+    VNNI kernels take; signed ones fell to its reference kernel there, 30-250x slower (and exact, so only its verbose
+    log tells). Where the CPU has no VNNI, the weights are not prepacked, and oneDNN is not called."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ONEDNN_VERBOSE": "1", "NPU_LLM_CPU_ISA": "avx512"}
+    run = subprocess.run([sys.executable, "-c", _VNNI_WITHOUT_AMX], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0 and "EQUAL" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    if cpu.cpu_features().vnni:
+        matmuls = [line.split(",") for line in run.stdout.splitlines() if line.startswith("onednn_verbose")]
+        matmuls = [fields for fields in matmuls if fields[3:6] == ["exec", "cpu", "matmul"]]  # (then its kernel)
+        assert matmuls and not any(fields[6].startswith("ref") for fields in matmuls), matmuls[:3]
 
 
 def test_the_cpu_int8_kernels_round_ties_to_even_keep_nan_and_leave_fp16_to_torch_ref(cpu_level):

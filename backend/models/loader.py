@@ -243,8 +243,9 @@ def _read(f, key: str, shard: tuple[int, int, int] | None, ranks: int, path: Pat
     part = f.get_slice(key)
     if dim == 0:
         return part[start:start + length]
-    columns, features = part.get_shape()[-1], length * ranks
-    if columns == 1:
+    shape = part.get_shape()
+    columns, features = shape[-1], length * ranks
+    if len(shape) != 2 or columns == 1:  # (a tensor of another rank: its shape check names it)
         return part[:]
     per_column = features // columns
     if per_column * columns != features or start % per_column or length % per_column:

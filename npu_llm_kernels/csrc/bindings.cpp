@@ -39,7 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"),
         pybind11::arg("input_scale") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("input_offset") = pybind11::none());
-  m.def("quantize_int8_rows", &quantize_int8_rows, "x's rows quantized to int8: (q, scales) (AVX2)",
+  m.def("quantize_rows_u8", &quantize_rows_u8, "x's rows quantized to int8, as q + 128 in uint8: (q, scales) (AVX2)",
         pybind11::arg("x"), pybind11::arg("input_scale") = pybind11::none(),
         pybind11::arg("input_offset") = pybind11::none());
   m.def("scale_int8_sums", &scale_int8_sums, "an int8 GEMM's sums times each row's scale, plus the bias (AVX2)",

@@ -8,9 +8,11 @@
 // multiplied with vpmaddwd: pairs of int16 products summed into int32, exact, 16 multiply-adds an instruction
 // (twice an fp32 FMA's 8), from weights that stream a quarter of the bytes of fp32 ones.
 //
-// quantize_int8_rows and scale_int8_sums are the two ends of the same product where oneDNN's int8 GEMM does the middle
-// (CPUs with VNNI, npu_llm_kernels/cpu.py): each row quantized in one pass, and the GEMM's sums (already times the
-// weight scales) times each row's scale, plus the bias, in one pass to the output's dtype.
+// quantize_rows_u8 and scale_int8_sums are the two ends of the same product where oneDNN's int8 GEMM does the middle
+// (CPUs with VNNI, npu_llm_kernels/cpu.py): each row quantized in one pass, stored as q + 128 in uint8 (the unsigned
+// activations with zero point 128 that oneDNN multiplies in its fast kernels on every VNNI CPU; signed ones take its
+// reference kernel where there is no AMX), and the GEMM's sums (already times the weight scales) times each row's
+// scale, plus the bias, in one pass to the output's dtype.
 //
 // Work: stripes of NB output features are spread over the threads; inside a stripe (its weights stay in L2), each
 // group of up to 4 rows of x (in L1, as int16) meets NT weight rows at a time, into NT x M int32 accumulators.
@@ -160,14 +162,14 @@ Activations activations(const at::Tensor& x, int64_t k, const std::optional<at::
 }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, float static_scale, float offset, int8_t* q, float* scales) {
+void quantize_rows(const T* x, int64_t m, int64_t k, float static_scale, float offset, uint8_t* q, float* scales) {
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> row(k);
     for (int64_t r = begin; r < end; ++r) {
       scales[r] = quantize_row(x + r * k, k, static_scale, offset, row.data());
-      int8_t* out = q + r * k;
+      uint8_t* out = q + r * k;
 #pragma omp simd
-      for (int64_t c = 0; c < k; ++c) out[c] = static_cast<int8_t>(row[c]);  // (int8 values already)
+      for (int64_t c = 0; c < k; ++c) out[c] = static_cast<uint8_t>(row[c] + 128);  // (int8 values already)
     }
   });
 }
@@ -194,17 +196,17 @@ __attribute__((optimize("fp-contract=off"))) void scale_row(const float* sums, f
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor& x, const std::optional<at::Tensor>& input_scale,
-                                                      const std::optional<at::Tensor>& input_offset) {
+std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x, const std::optional<at::Tensor>& input_scale,
+                                                    const std::optional<at::Tensor>& input_offset) {
   const Activations a = activations(x, x.size(-1), input_scale, input_offset);
   const int64_t m = a.flat.size(0), k = a.flat.size(1);
-  at::Tensor q = at::empty({m, k}, a.flat.options().dtype(at::kChar));
+  at::Tensor q = at::empty({m, k}, a.flat.options().dtype(at::kByte));
   at::Tensor scales = at::empty({m}, a.flat.options().dtype(at::kFloat));
   if (a.flat.scalar_type() == at::kFloat) {
-    quantize_rows(a.flat.data_ptr<float>(), m, k, a.static_scale, a.offset, q.data_ptr<int8_t>(),
+    quantize_rows(a.flat.data_ptr<float>(), m, k, a.static_scale, a.offset, q.data_ptr<uint8_t>(),
                   scales.data_ptr<float>());
   } else {
-    quantize_rows(a.flat.data_ptr<at::BFloat16>(), m, k, a.static_scale, a.offset, q.data_ptr<int8_t>(),
+    quantize_rows(a.flat.data_ptr<at::BFloat16>(), m, k, a.static_scale, a.offset, q.data_ptr<uint8_t>(),
                   scales.data_ptr<float>());
   }
   return {q, scales};
@@ -273,9 +275,9 @@ at::Tensor linear_int8_weights(const at::Tensor&, const at::Tensor&, const at::T
   TORCH_CHECK(false, "linear_int8_weights needs AVX2 and FMA");
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor&, const std::optional<at::Tensor>&,
-                                                      const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "quantize_int8_rows needs AVX2 and FMA");
+std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                    const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "quantize_rows_u8 needs AVX2 and FMA");
 }
 
 at::Tensor scale_int8_sums(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool) {

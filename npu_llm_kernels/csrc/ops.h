@@ -45,10 +45,10 @@ at::Tensor linear_int8_weights(const at::Tensor& x, const at::Tensor& weight, co
                                const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& input_offset);
 bool has_linear_int8_weights();
-// The ends of a W8A8 matmul whose middle is oneDNN's int8 GEMM (same builds): x's rows quantized to int8 (q [M, K],
-// scales [M]); and the GEMM's fp32 sums times each row's scale, plus the bias, in fp32 or bf16.
-std::tuple<at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor& x, const std::optional<at::Tensor>& input_scale,
-                                                      const std::optional<at::Tensor>& input_offset);
+// The ends of a W8A8 matmul whose middle is oneDNN's int8 GEMM (same builds): x's rows quantized to int8, stored
+// q + 128 in uint8 ([M, K], and the scales [M]); and the GEMM's fp32 sums times each row's scale, plus the bias.
+std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x, const std::optional<at::Tensor>& input_scale,
+                                                    const std::optional<at::Tensor>& input_offset);
 at::Tensor scale_int8_sums(const at::Tensor& sums, const at::Tensor& row_scales, const std::optional<at::Tensor>& bias,
                            bool bf16);
 // W8A16 (csrc/linear_w8a16.cpp): a few rows of x (fp32 or bf16) times int8 weights [N, K] dequantized in the inner
