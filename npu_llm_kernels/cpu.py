@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from npu_llm_kernels import torch_ref
 from npu_llm_kernels.timing import scope
-from npu_llm_kernels.torch_ref import pack_int8_expert_weights, pack_w8a16_weight  # noqa: F401  (int8 stays [N, K])
+from npu_llm_kernels.torch_ref import pack_w8a16_weight  # noqa: F401  (W8A16's int8 weights stay [N, K])
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features
 from npu_llm_kernels.metadata import AttentionMetadata
@@ -388,10 +388,21 @@ def fused_experts_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13
                        w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        first_expert: int = 0) -> torch.Tensor:
     """torch_ref's per-expert loop for W8A8 dynamic experts, each expert's two matmuls on int8_linear (this CPU
-    level's int8 kernel). (A fused kernel over int8 experts, as fused_experts has for float ones, is not written.)"""
+    level's int8 kernel, on the weights pack_int8_expert_weights prepacked where it did). (A fused kernel over int8
+    experts, as fused_experts has for float ones, is not written.)"""
     with scope("moe.experts"):
-        return torch_ref.fused_experts_int8(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, first_expert,
-                                            linear=int8_linear)
+        return torch_ref.fused_experts_int8(x, getattr(w13, "experts", w13), getattr(w2, "experts", w2), w13_scale,
+                                            w2_scale, topk_weights, topk_ids, first_expert, linear=int8_linear)
+
+
+def pack_int8_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's int8 weights as pack_int8_weight packs a linear layer's (with VNNI: prepacked for oneDNN), as the
+    list `.experts` of the stacked tensors, which stay (fused_experts_int8 reads the list where there is one)."""
+    for stacked in (w13, w2):
+        packed = [pack_int8_weight(stacked[e]) for e in range(stacked.shape[0])]
+        if any(hasattr(p, "out_features") for p in packed):
+            stacked.experts = packed
+    return w13, w2
 
 
 def describe() -> str:

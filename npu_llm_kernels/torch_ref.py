@@ -318,11 +318,11 @@ def pack_int8_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch
 def fused_experts_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                        w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        first_expert: int = 0, linear=None) -> torch.Tensor:
-    """fused_experts for W8A8 dynamic experts: int8 weights (w13 [E, 2I, H], w2 [E, H, I]) with per-channel scales
-    ([E, N, 1]), each expert's rows quantized per token as int8_linear quantizes them (`linear`: the platform's
-    int8_linear, default this module's)."""
+    """fused_experts for W8A8 dynamic experts: int8 weights (w13 [E, 2I, H], w2 [E, H, I], or lists of each expert's
+    weights in the platform's layout) with per-channel scales ([E, N, 1]), each expert's rows quantized per token as
+    int8_linear quantizes them (`linear`: the platform's int8_linear, default this module's)."""
     linear = linear or int8_linear
-    return _per_expert(x, topk_weights, topk_ids, first_expert, w13.shape[0], lambda e, rows: linear(
+    return _per_expert(x, topk_weights, topk_ids, first_expert, len(w13), lambda e, rows: linear(
         silu_and_mul(linear(rows, w13[e], w13_scale[e], None)), w2[e], w2_scale[e], None))
 
 
