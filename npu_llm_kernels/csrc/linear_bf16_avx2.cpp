@@ -14,13 +14,6 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // out[m][n0 .. n0 + NT) for M rows of x (fp32, row stride k) and NT rows of w from n0.
 template <int M, int NT>
 inline void tile(const float* x, const at::BFloat16* w, int64_t k, int64_t n0, float* out, int64_t n) {

@@ -56,6 +56,14 @@ inline void softmax_in_place(float* s, int64_t n) {
 #if defined(__AVX2__)
 #include <immintrin.h>
 
+// The sum of a vector's 8 lanes.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // 8 bf16 values (their raw bits) as fp32: bf16 is fp32's upper half.
 inline __m256 load_bf16x8(const void* p) {
   const __m128i bits = _mm_loadu_si128(static_cast<const __m128i*>(p));
