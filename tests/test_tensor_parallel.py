@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from backend import LLM, LLMEngine, SamplingParams
-from backend.engine.executor import RankFailedError
+from backend.engine.workers import RankFailedError
 from backend.models.registry import DEFAULT_MODEL
 from tests.conftest import make_tiny_model
 

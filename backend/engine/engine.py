@@ -21,7 +21,8 @@ import torch
 from backend.config import EngineConfig
 from backend.distributed import SINGLE
 from backend.engine import memory
-from backend.engine.executor import ParallelRunner, RankFailedError, start_workers
+from backend.engine.executor import ParallelRunner, start_workers
+from backend.engine.workers import RankFailedError
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler

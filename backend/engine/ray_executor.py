@@ -15,7 +15,7 @@ import socket
 
 from backend.config import EngineConfig
 from backend.distributed import TensorParallel, init_tensor_parallel, timeout
-from backend.engine.executor import Workers, run_worker, share_cpu_threads
+from backend.engine.workers import Workers, run_worker, share_cpu_threads
 from backend.platform import VISIBLE_DEVICES
 
 # What the ranks need from the engine's environment: an actor starts from its raylet's environment, not ours.
