@@ -40,7 +40,7 @@ def test_each_shape_equals_transformers(shape, tmp_path):
 def test_the_engine_serves_it_through_chunks_cache_hits_and_preemption(arch, tmp_path, default_model_dir, caplog):
     """As a dense model (served_through_chunks_hits_and_preemption); the KV cache it reports holds the latent's
     bytes a token."""
-    caplog.set_level(logging.INFO, logger="backend.engine.engine")
+    caplog.set_level(logging.INFO, logger="backend.engine.startup")
     with served_through_chunks_hits_and_preemption(arch, tmp_path, default_model_dir):
         pass
     latent = 3 * (TINY_MLA["kv_lora_rank"] + TINY_MLA["qk_rope_head_dim"]) * 4  # three layers, one fp32 row each

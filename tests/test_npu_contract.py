@@ -190,7 +190,7 @@ def test_kv_cache_gets_what_weights_activations_and_graphs_leave(fake_npu, monke
     from backend import LLM
 
     monkeypatch.setenv("FAKE_NPU_MEMORY_GB", "3")
-    caplog.set_level("INFO", logger="backend.engine.engine")
+    caplog.set_level("INFO", logger="backend.engine.startup")
     gc.collect()
     leftover = torch.npu.memory_allocated()  # (device tensors earlier tests still hold count as "other")
     args = dict(device="npu", dtype="bfloat16", max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.7,

@@ -20,8 +20,8 @@ import torch
 
 from backend.config import EngineConfig
 from backend.distributed import SINGLE
-from backend.engine import memory
-from backend.engine.executor import ParallelRunner, start_workers
+from backend.engine import startup
+from backend.engine.executor import start_workers
 from backend.engine.workers import RankFailedError
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.output_processor import OutputProcessor
@@ -34,12 +34,11 @@ from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.spec_decode import MTPDrafter, SpecDecodeStats
 from backend.engine.structured_outputs import StructuredOutputs
-from backend.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from backend.engine.tokenizer import encode_prompt
 from backend.models.llama import check_model
-from backend.models.loader import load_config, load_model, max_model_len_of
+from backend.models.loader import load_config, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
-from npu_llm_kernels import cpu as cpu_kernels, ops_for
 from npu_llm_kernels.metadata import cdiv
 from npu_llm_kernels.timing import scope
 
@@ -98,25 +97,13 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, _release, workers, runner)
 
     def _start(self, model_dir, tp, workers) -> None:
-        """Load this rank's model, size and allocate the KV cache, build the scheduler, warm up."""
+        """Load, size and allocate (backend/engine/startup.py), build the scheduler and what a step uses, warm up."""
         config = self.config
-        in_use_before = memory.allocated(self.platform)
-        self.model, self.model_config, self.model_dir = load_model(
-            model_dir, ops_for(self.platform.name), self.platform.device, config.dtype, config.max_model_len, tp,
-            config.enable_expert_parallel, mtp=config.speculative_config is not None, quantization=config.quantization,
-        )
-        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
-        self.runner = ModelRunner(self.model, 0, config.block_size, self.platform.device)  # the scratch block only
-        if workers is not None:
-            self.runner = ParallelRunner(self.runner, workers)
-        self.memory_split: memory.MemorySplit | None = None  # how device memory was shared out (accelerators)
-        weights = memory.allocated(self.platform) - in_use_before  # (and the rope table and the scratch block)
-        num_blocks = config.num_kv_blocks or self._blocks_that_fit(weights)
-        self.runner.allocate_kv_cache(num_blocks)
-        if not config.enforce_eager:
-            self.runner.capture_decode_graphs(self.platform, config.max_num_seqs, self._graph_len())
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        started = startup.start(config, self.platform, model_dir, tp, workers)
+        self.model, self.model_config, self.model_dir = started.model, started.model_config, started.model_dir
+        self.tokenizer, self.eos_token_ids = started.tokenizer, started.eos_token_ids
+        self.runner, self.memory_split = started.runner, started.memory_split
+        self.kv = KVCacheManager(started.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             drafting=config.speculative_config is not None,
@@ -135,12 +122,9 @@ class LLMEngine:
         self._num_steps = self._num_computed = self._num_prompt = self._num_generated = 0
         self._waste_sum = 0.0
         self.profiler = Profiler(self.platform, config.profile_dir) if config.profile_dir else None
-        self._warm_up()
+        startup.warm_up(started, config)
         self.model.init_expert_load()  # (counting from here: warm-up's tokens are not served ones)
-        device = f"cpu ({cpu_kernels.describe()})" if self.platform.name == "cpu" else self.platform.device
-        per_token = ModelRunner.bytes_per_block(self.model, 1)
-        log.info("engine ready: %s on %s, %d KV blocks of %d tokens, %d bytes a token (%s)", self.model_dir, device,
-                 num_blocks, config.block_size, per_token, "latent rows" if self.model.latent_kv else "keys and values")
+        startup.log_ready(started, config, self.platform)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if there are any), leave their process group, and free the KV cache.
@@ -150,51 +134,6 @@ class LLMEngine:
     def _check_running(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("the engine has been shut down")
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """All one-time work before the first request: the first prefill and decode step build the
-        kernels (the CPU extension compiles on first use) and the matmul primitives; the first sample
-        and the first tokenizer call load their code too."""
-        start = time.perf_counter()
-        logits = self.runner.warm_up(min(self.config.max_num_batched_tokens, self.config.max_model_len - 1))
-        probe = Request("warm-up", [0], SamplingParams(temperature=1.0, top_p=0.9, seed=0), 1, self.eos_token_ids)
-        sample(logits[:1], [probe])
-        self.tokenizer.decode(self.tokenizer.encode("warm-up"))
-        log.info("warm-up took %.1f s", time.perf_counter() - start)
-
-    def _blocks_that_fit(self, weights: int) -> int:
-        per_block = ModelRunner.bytes_per_block(self.model, self.config.block_size)
-        if self.platform.name == "cpu":  # (a budget of its own, the scratch block included)
-            budget, split = self.config.kv_cache_memory_gb * 2**30 - per_block, None
-        else:
-            graphs = None if self.config.enforce_eager else self._trial_decode_graphs
-            split = memory.profile(self.platform, self.config.gpu_memory_utilization, weights, self._largest_step,
-                                   graphs)
-            budget = split.kv_cache
-        self.memory_split = split
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            where = f" ({split.describe(0)})" if split else ""
-            raise ValueError(f"no memory left for the KV cache{where}: raise gpu_memory_utilization or "
-                             "kv_cache_memory_gb, or lower max_num_batched_tokens or max_num_seqs")
-        if split:
-            log.info("%s", split.describe(blocks))
-        return blocks
-
-    @torch.inference_mode()
-    def _largest_step(self) -> None:
-        """The memory profile's forward pass: the largest step the scheduler can build, and its sampling."""
-        config = self.config
-        logits = self.runner.profile_run(config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        sample(logits, [Request(f"profile-{i}", [0], params, 1, self.eos_token_ids) for i in range(len(logits))])
-
-    def _trial_decode_graphs(self):
-        return self.runner.build_decode_graphs(self.platform, self.config.max_num_seqs, self._graph_len())
-
-    def _graph_len(self) -> int:
-        return min(self.config.max_model_len, self.config.max_seq_len_to_capture)
 
     # -- requests ---------------------------------------------------------------------------------
 
