@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from backend.config import EngineConfig
-from backend.engine.engine import EngineStats, LLMEngine, PromptType
+from backend.engine.engine import EngineStats, LLMEngine
+from backend.engine.input_processor import PromptType
 from backend.engine.profiler import ProfileResult
 from backend.engine.outputs import RequestOutput
 from backend.engine.sampling_params import SamplingParams

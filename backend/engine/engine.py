@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import operator
 import time
 import weakref
 from collections import deque
@@ -23,6 +22,7 @@ from backend.distributed import SINGLE
 from backend.engine import startup
 from backend.engine.executor import start_workers
 from backend.engine.workers import RankFailedError
+from backend.engine.input_processor import InputProcessor, PromptType
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
@@ -34,12 +34,10 @@ from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.spec_decode import MTPDrafter, SpecDecodeStats
 from backend.engine.structured_outputs import StructuredOutputs
-from backend.engine.tokenizer import encode_prompt
 from backend.models.llama import check_model
 from backend.models.loader import load_config, max_model_len_of
 from backend.models.registry import resolve_model
 from backend.platform import resolve_platform, tune_host_allocator
-from npu_llm_kernels.metadata import cdiv
 from npu_llm_kernels.timing import scope
 
 log = logging.getLogger(__name__)
@@ -50,8 +48,6 @@ GRAMMAR_WAIT_S = 0.01
 # Forward passes failing this many times in a row mean the device (not a request) is broken: the
 # engine stops (AsyncEngine reports it dead), as vLLM's does on a device error.
 MAX_FAILED_STEPS = 3
-
-PromptType = str | list[int] | dict
 
 
 @dataclass
@@ -110,6 +106,8 @@ class LLMEngine:
         )
         # speculative decoding: the checkpoint's MTP layer drafts a token a step (spec_decode.py)
         self.drafter = MTPDrafter(self.runner, self.kv) if config.speculative_config is not None else None
+        self.inputs = InputProcessor(config, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                     started.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._compiling: list[Request] = []  # sequences whose grammar is being compiled
@@ -137,15 +135,6 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt", "")
-        if isinstance(prompt, str):
-            return prompt, encode_prompt(self.tokenizer, prompt)
-        return None, _token_ids(prompt)
-
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         """Queue a request; raises ValueError (naming the problem) for one that could never run."""
         self._check_running()
@@ -156,10 +145,7 @@ class LLMEngine:
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self.outputs.parents or any(c in self.outputs.states for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        max_tokens = self._check_request(ids, params)
-        children = [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
-                    for i, cid in enumerate(child_ids)]
+        text, ids, children = self.inputs.process(child_ids, prompt, params)
         if params.structured_outputs is not None:
             for child in children:  # one matcher each, from one compilation
                 child.grammar = self.structured_outputs.grammar_for(params.structured_outputs)
@@ -169,29 +155,6 @@ class LLMEngine:
             self.scheduler.add(child)
             self._num_prompt += len(ids)
         return request_id
-
-    def _check_request(self, ids: list[int], params: SamplingParams) -> int:
-        """The limits that depend on the model and the engine; returns the resolved max_tokens."""
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n}: at most max_num_seqs={self.config.max_num_seqs} samples per request")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no room to generate")
-        max_tokens = params.max_tokens or limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})"
-            )
-        if cdiv(len(ids) + max_tokens, self.config.block_size) > self.kv.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs more KV blocks than the cache has ({self.kv.num_blocks})")
-        return max_tokens
 
     def abort_request(self, request_id: str, emit_output: bool = True) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (finish_reason "abort"), which the
@@ -455,16 +418,3 @@ def _release(workers, runner: ModelRunner) -> None:
             workers.shutdown()
     finally:
         runner.release_kv_cache()
-
-
-def _token_ids(ids) -> list[int]:
-    """A prompt given as token ids (any integers: Python, numpy, torch): a list of ints, or a ValueError."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise ValueError(f"prompt token ids must be a list of ints, got {type(ids).__name__}")
-    ids = list(ids)
-    try:
-        if any(isinstance(t, bool) for t in ids):
-            raise TypeError("a bool is not a token id")
-        return [operator.index(t) for t in ids]
-    except TypeError:
-        raise ValueError("prompt token ids must be a list of ints") from None

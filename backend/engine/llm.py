@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from backend.config import EngineConfig
-from backend.engine.engine import LLMEngine, PromptType
+from backend.engine.engine import LLMEngine
+from backend.engine.input_processor import PromptType
 from backend.engine.profiler import ProfileResult
 from backend.engine.outputs import RequestOutput
 from backend.engine.sampling_params import SamplingParams

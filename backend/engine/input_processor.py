@@ -1,0 +1,74 @@
+"""A user's request as the engine's sequences, as vLLM v1's input processor makes them before the engine core sees
+them: the prompt as token ids (a string tokenized, ids taken as they are), checked against the model and the engine's
+limits, and fanned out into one Request per sample (n > 1). Whatever could never run fails here, with a ValueError that
+names the problem, before anything is queued."""
+from __future__ import annotations
+
+import operator
+
+from backend.config import EngineConfig
+from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.tokenizer import encode_prompt
+from npu_llm_kernels.metadata import cdiv
+
+PromptType = str | list[int] | dict
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: set[int], num_kv_blocks: int):
+        self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
+        self.eos_token_ids, self.num_kv_blocks = eos_token_ids, num_kv_blocks
+
+    def process(self, child_ids: list[str], prompt: PromptType,
+                params: SamplingParams) -> tuple[str | None, list[int], list[Request]]:
+        """(the prompt's text where it has one, its token ids, a Request per sample: `child_ids`)."""
+        text, ids = self._prompt_ids(prompt)
+        max_tokens = self._check(ids, params)
+        return text, ids, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
+                           for i, cid in enumerate(child_ids)]
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            return prompt, encode_prompt(self.tokenizer, prompt)
+        return None, _token_ids(prompt)
+
+    def _check(self, ids: list[int], params: SamplingParams) -> int:
+        """The limits that depend on the model and the engine; returns the resolved max_tokens."""
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n}: at most max_num_seqs={self.config.max_num_seqs} samples per request")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no room to generate")
+        max_tokens = params.max_tokens or limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})"
+            )
+        if cdiv(len(ids) + max_tokens, self.config.block_size) > self.num_kv_blocks:
+            raise ValueError(f"prompt + max_tokens needs more KV blocks than the cache has ({self.num_kv_blocks})")
+        return max_tokens
+
+
+def _token_ids(ids) -> list[int]:
+    """A prompt given as token ids (any integers: Python, numpy, torch): a list of ints, or a ValueError."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt token ids must be a list of ints, got {type(ids).__name__}")
+    ids = list(ids)
+    try:
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError("a bool is not a token id")
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt token ids must be a list of ints") from None
