@@ -7,7 +7,6 @@ requests are aborted (their blocks freed) and reported by take_failures().
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import time
@@ -110,7 +109,6 @@ class LLMEngine:
                                      started.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self._compiling: list[Request] = []  # sequences whose grammar is being compiled
         self._aborted: list[RequestOutput] = []
         self._failures: dict[str, BaseException] = {}  # request id -> why it failed, until take_failures()
         self._failed_steps = 0  # forward passes that failed in a row
@@ -147,9 +145,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, children = self.inputs.process(child_ids, prompt, params)
         if params.structured_outputs is not None:
-            for child in children:  # one matcher each, from one compilation
-                child.grammar = self.structured_outputs.grammar_for(params.structured_outputs)
-            self._compiling += children
+            self.structured_outputs.add(children, params.structured_outputs)
         self.outputs.add(request_id, text, children)
         for child in children:
             self.scheduler.add(child)
@@ -216,7 +212,7 @@ class LLMEngine:
         self._check_running()
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
-        self._fail_bad_grammars()
+        self.structured_outputs.fail_bad_grammars(self._fail_sequence)
         with scope("step"):
             with scope("schedule"):
                 scheduled = self.scheduler.schedule()
@@ -224,7 +220,7 @@ class LLMEngine:
                 starts = [s.request.num_computed_tokens for s in scheduled]
                 step = self._execute(scheduled)
                 sampled = self._sample_next(scheduled, step.logits) if step is not None else {}
-                self._advance_grammars(scheduled, sampled)
+                self.structured_outputs.accept(scheduled, sampled, self._fail_sequence)
                 advanced = self.scheduler.update_from_output(scheduled, {i: s.token_id for i, s in sampled.items()})
                 touched = self._detokenize(advanced, sampled)
                 num_generated = len(advanced)
@@ -233,9 +229,8 @@ class LLMEngine:
                     self.drafter.draft(scheduled, starts, step)
                 self._account(scheduled, num_generated)
                 outputs += self._outputs_of(touched)
-        if not scheduled and self._compiling:  # nothing else to run: wait for a grammar, don't spin
-            concurrent.futures.wait([r.grammar.compiled for r in self._compiling if r.grammar], GRAMMAR_WAIT_S,
-                                    concurrent.futures.FIRST_COMPLETED)
+        if not scheduled:  # nothing else to run: wait for a grammar being compiled, if any, instead of spinning
+            self.structured_outputs.wait_while_compiling(GRAMMAR_WAIT_S)
         if scheduled and self.profiler is not None and self.profiler.active:
             decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
             self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
@@ -330,26 +325,6 @@ class LLMEngine:
         self.scheduler.accept_drafts(advanced, {i: t.token_id for i, t in bonus.items()})
         touched.update(self._detokenize(advanced, bonus))
         return len(advanced)
-
-    def _fail_bad_grammars(self) -> None:
-        """Requests whose spec did not compile fail with the compiler's message (a client error)."""
-        for request in self._compiling:
-            if request.grammar is not None and request.grammar.error is not None:
-                self._fail_sequence(request, request.grammar.error)  # (and its siblings: their grammar goes too)
-        # what is left: still compiling, and not finished meanwhile (finish releases the grammar)
-        self._compiling = [r for r in self._compiling if r.grammar is not None and not r.grammar.ready]
-
-    def _advance_grammars(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken]) -> None:
-        """Each constrained sequence's matcher takes its sampled token (before the scheduler appends it)."""
-        for s in scheduled:
-            request, token = s.request, sampled.get(s.request.request_id)
-            if request.grammar is None or token is None:
-                continue
-            try:
-                request.grammar.accept(token.token_id)
-            except Exception as e:
-                del sampled[request.request_id]
-                self._fail_sequence(request, e)
 
     def _detokenize(self, advanced: list[Request], sampled: dict[str, SampledToken]) -> dict:
         """Detokenize and check stop strings for each sequence that got a token; their user requests, by id."""

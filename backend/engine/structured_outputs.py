@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -67,7 +68,10 @@ class SequenceGrammar:
 
 
 class StructuredOutputs:
-    """Compiles specs for one tokenizer, off the step loop, and caches the results (LRU by spec)."""
+    """The grammars' lifecycle, as vLLM v1's structured-output manager runs it: specs compiled for one tokenizer, off
+    the step loop, and cached (LRU by spec); each constrained sequence's matcher made, watched while it compiles,
+    and advanced by the tokens it samples. What fails (a spec that does not compile, a token a matcher refuses) is
+    handed to the engine's `fail(request, error)`."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self._tokenizer = tokenizer
@@ -76,6 +80,39 @@ class StructuredOutputs:
         self._compiler = None  # made on the compile thread, on first use
         self._executor: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, Future] = OrderedDict()  # the step thread's alone
+        self._compiling: list = []  # sequences (Requests) whose grammar is being compiled
+
+    def add(self, requests: list, spec: StructuredOutputsParams) -> None:
+        """Requests of one spec (a user request's samples): one matcher each, from one compilation."""
+        for request in requests:
+            request.grammar = self.grammar_for(spec)
+        self._compiling += requests
+
+    def fail_bad_grammars(self, fail: Callable) -> None:
+        """Requests whose spec did not compile fail with the compiler's message (a client error)."""
+        for request in self._compiling:
+            if request.grammar is not None and request.grammar.error is not None:
+                fail(request, request.grammar.error)  # (and its siblings: their grammar goes too)
+        # what is left: still compiling, and not finished meanwhile (finish releases the grammar)
+        self._compiling = [r for r in self._compiling if r.grammar is not None and not r.grammar.ready]
+
+    def accept(self, scheduled: list, sampled: dict, fail: Callable) -> None:
+        """Each constrained sequence's matcher takes its sampled token (before the scheduler appends it); a token it
+        refuses fails the sequence, and leaves `sampled`."""
+        for s in scheduled:
+            request, token = s.request, sampled.get(s.request.request_id)
+            if request.grammar is None or token is None:
+                continue
+            try:
+                request.grammar.accept(token.token_id)
+            except Exception as e:
+                del sampled[request.request_id]
+                fail(request, e)
+
+    def wait_while_compiling(self, timeout_s: float) -> None:
+        """Up to timeout_s for a grammar being compiled (an idle step waits, instead of spinning)."""
+        if self._compiling:
+            wait([r.grammar.compiled for r in self._compiling if r.grammar], timeout_s, FIRST_COMPLETED)
 
     def grammar_for(self, spec: StructuredOutputsParams) -> SequenceGrammar:
         """A new sequence's grammar; compiles the spec unless an earlier request already did (or is doing it)."""
