@@ -11,7 +11,6 @@ import itertools
 import logging
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -112,11 +111,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._failures: dict[str, BaseException] = {}  # request id -> why it failed, until take_failures()
         self._failed_steps = 0  # forward passes that failed in a row
-        # tokens of each recent step, for vllm:iteration_tokens_total (read and drained by another thread)
-        self.iteration_tokens: deque[int] = deque(maxlen=4096)
+        self.iteration_tokens = self.scheduler.iteration_tokens  # (for vllm:iteration_tokens_total)
         self._ids = itertools.count()
-        self._num_steps = self._num_computed = self._num_prompt = self._num_generated = 0
-        self._waste_sum = 0.0
         self.profiler = Profiler(self.platform, config.profile_dir) if config.profile_dir else None
         startup.warm_up(started, config)
         self.model.init_expert_load()  # (counting from here: warm-up's tokens are not served ones)
@@ -143,13 +139,12 @@ class LLMEngine:
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self.outputs.parents or any(c in self.outputs.states for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids, children = self.inputs.process(child_ids, prompt, params)
+        text, children = self.inputs.process(child_ids, prompt, params)
         if params.structured_outputs is not None:
             self.structured_outputs.add(children, params.structured_outputs)
         self.outputs.add(request_id, text, children)
         for child in children:
             self.scheduler.add(child)
-            self._num_prompt += len(ids)
         return request_id
 
     def abort_request(self, request_id: str, emit_output: bool = True) -> RequestOutput | None:
@@ -227,7 +222,7 @@ class LLMEngine:
                 if self.drafter is not None and step is not None:
                     num_generated += self._take_verified_drafts(scheduled, step, sampled, touched)
                     self.drafter.draft(scheduled, starts, step)
-                self._account(scheduled, num_generated)
+                self.scheduler.record_step(scheduled, num_generated)
                 outputs += self._outputs_of(touched)
         if not scheduled:  # nothing else to run: wait for a grammar being compiled, if any, instead of spinning
             self.structured_outputs.wait_while_compiling(GRAMMAR_WAIT_S)
@@ -357,17 +352,6 @@ class LLMEngine:
                 self.outputs.pop(parent.request_id)
         return outputs
 
-    def _account(self, scheduled: list[ScheduledRequest], num_generated: int) -> None:
-        self._num_steps += 1
-        step_tokens = sum(s.num_new_tokens for s in scheduled)
-        self._num_computed += step_tokens
-        self._num_generated += num_generated
-        self.iteration_tokens.append(step_tokens)
-        running = self.scheduler.running
-        allocated = sum(len(self.kv.block_ids(r)) for r in running) * self.config.block_size
-        used = sum(r.num_computed_tokens for r in running)
-        self._waste_sum += 1 - used / allocated if allocated else 0.0
-
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -375,11 +359,11 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage,
             prefix_cache_hit_rate=self.kv.prefix_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
-            num_computed_tokens=self._num_computed,
-            num_prompt_tokens=self._num_prompt,
-            num_generation_tokens=self._num_generated,
-            num_steps=self._num_steps,
-            kv_cache_waste=self._waste_sum / self._num_steps if self._num_steps else 0.0,
+            num_computed_tokens=self.scheduler.num_computed_tokens,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
+            num_generation_tokens=self.scheduler.num_generation_tokens,
+            num_steps=self.scheduler.num_steps,
+            kv_cache_waste=self.scheduler.kv_cache_waste,
             num_kv_blocks=self.kv.num_blocks,
             expert_load=self.model.expert_load(),
             spec_decode=None if self.drafter is None else self.drafter.stats.copy(),

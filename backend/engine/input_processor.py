@@ -21,11 +21,11 @@ class InputProcessor:
         self.eos_token_ids, self.num_kv_blocks = eos_token_ids, num_kv_blocks
 
     def process(self, child_ids: list[str], prompt: PromptType,
-                params: SamplingParams) -> tuple[str | None, list[int], list[Request]]:
-        """(the prompt's text where it has one, its token ids, a Request per sample: `child_ids`)."""
+                params: SamplingParams) -> tuple[str | None, list[Request]]:
+        """(the prompt's text where it has one, a Request per sample: `child_ids`)."""
         text, ids = self._prompt_ids(prompt)
         max_tokens = self._check(ids, params)
-        return text, ids, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
+        return text, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
                            for i, cid in enumerate(child_ids)]
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -44,10 +44,33 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        # The counters of the engine's stats (vLLM's scheduler stats): admissions, steps and their tokens
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests
+        self.num_steps = self.num_computed_tokens = self.num_generation_tokens = 0
+        self._waste_sum = 0.0
+        # tokens of each recent step, for vllm:iteration_tokens_total (read and drained by another thread)
+        self.iteration_tokens: deque[int] = deque(maxlen=4096)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.num_prompt_tokens += len(request.prompt_token_ids)
+
+    def record_step(self, scheduled: list[ScheduledRequest], num_generated: int) -> None:
+        """Count a step that ran: its tokens, those it generated, and the KV slots its requests hold unused."""
+        self.num_steps += 1
+        step_tokens = sum(s.num_new_tokens for s in scheduled)
+        self.num_computed_tokens += step_tokens
+        self.num_generation_tokens += num_generated
+        self.iteration_tokens.append(step_tokens)
+        allocated = sum(len(self.kv.block_ids(r)) for r in self.running) * self.kv.block_size
+        used = sum(r.num_computed_tokens for r in self.running)
+        self._waste_sum += 1 - used / allocated if allocated else 0.0
+
+    @property
+    def kv_cache_waste(self) -> float:
+        """Allocated but unused KV slots over allocated ones, averaged over the steps."""
+        return self._waste_sum / self.num_steps if self.num_steps else 0.0
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and give its blocks back."""
