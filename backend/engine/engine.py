@@ -1,4 +1,6 @@
-"""LLMEngine: add_request / abort_request / step, as in vLLM.
+"""LLMEngine: add_request / abort_request / step, as in vLLM: the step loop. Its parts keep their own jobs, where
+vLLM v1 keeps them: start-up, KV sizing and warm-up (startup.py), input processing (input_processor.py), the
+grammars' lifecycle (structured_outputs.py), the stats' counters (scheduler.py), the ranks (executor.py).
 
 A step is schedule -> execute -> sample -> update. A failure is confined to the requests it
 belongs to: a forward pass that raises fails the requests in it, a sample, detokenize or
@@ -19,7 +21,6 @@ from backend.config import EngineConfig
 from backend.distributed import SINGLE
 from backend.engine import startup
 from backend.engine.executor import start_workers
-from backend.engine.workers import RankFailedError
 from backend.engine.input_processor import InputProcessor, PromptType
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.output_processor import OutputProcessor
@@ -32,6 +33,7 @@ from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.spec_decode import MTPDrafter, SpecDecodeStats
 from backend.engine.structured_outputs import StructuredOutputs
+from backend.engine.workers import RankFailedError
 from backend.models.llama import check_model
 from backend.models.loader import load_config, max_model_len_of
 from backend.models.registry import resolve_model
