@@ -51,6 +51,7 @@ def test_blocks_are_never_lost_or_double_owned(ops, num_blocks, budget, caching)
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=caching)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, enable_chunked_prefill=True)
     live: list[Request] = []
+    prompt_tokens = computed_tokens = 0  # what the engine's stats must count, preemptions notwithstanding
     for n, (op, a, b) in enumerate(ops):
         if op == "add":
             # prompts of one family share a prefix, so the prefix cache gets hits
@@ -59,16 +60,22 @@ def test_blocks_are_never_lost_or_double_owned(ops, num_blocks, budget, caching)
             if cdiv(b + 8, BLOCK_SIZE) <= num_blocks:  # the engine rejects what can never fit
                 scheduler.add(request)
                 live.append(request)
+                prompt_tokens += b
         elif op == "step":
             scheduled = scheduler.schedule()
             sampled = {s.request.request_id: 7 for s in scheduled if s.wants_logits}
-            for request in scheduler.update_from_output(scheduled, sampled):
+            advanced = scheduler.update_from_output(scheduled, sampled)
+            scheduler.record_step(scheduled, len(advanced))
+            computed_tokens += sum(s.num_new_tokens for s in scheduled)
+            for request in advanced:
                 if request.finished:
                     live.remove(request)
         elif live:
             request = live.pop(a % len(live))
             scheduler.remove(request)
         _check_invariants(kv, scheduler)
+        assert (scheduler.num_prompt_tokens, scheduler.num_computed_tokens) == (prompt_tokens, computed_tokens)
+        assert 0 <= scheduler.kv_cache_waste < 1
     for request in live:
         scheduler.remove(request)
     _check_invariants(kv, scheduler)

@@ -1,6 +1,6 @@
 """Engine start-up, the one-time work before the first step (vLLM v1 does it in EngineCore's start): this rank's
-model loaded (the other ranks load theirs alongside: backend/engine/executor.py), the tokenizer, the KV cache sized
-and allocated, decode graphs captured, and a warm-up that pays every first-call cost.
+model loaded (the other ranks load theirs alongside: run_worker in backend/engine/workers.py), the tokenizer, the KV
+cache sized and allocated, decode graphs captured, and a warm-up that pays every first-call cost.
 
 The KV cache's size: on the CPU, kv_cache_memory_gb (a budget of its own); on accelerators, what
 gpu_memory_utilization leaves once the weights and a profile of the largest step are counted (backend/engine/memory.py).
