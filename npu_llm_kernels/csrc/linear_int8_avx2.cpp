@@ -176,22 +176,14 @@ void quantize_rows(const T* x, int64_t m, int64_t k, float static_scale, float o
 
 // y = sums * scale (+ bias), multiplied then added, as torch_ref rounds them: contracting the two into one FMA (which
 // -O3 does) would round once where torch_ref rounds twice, and fp32 results would differ from its in the last bit.
-__attribute__((optimize("fp-contract=off"))) inline float scaled(const float* sums, float scale, const float* bias,
-                                                                  int64_t c) {
-  const float product = sums[c] * scale;
-  return bias ? product + bias[c] : product;
-}
-
+template <typename T>
 __attribute__((optimize("fp-contract=off"))) void scale_row(const float* sums, float scale, const float* bias,
-                                                            int64_t n, float* y) {
+                                                            int64_t n, T* y) {
 #pragma omp simd
-  for (int64_t c = 0; c < n; ++c) y[c] = scaled(sums, scale, bias, c);
-}
-
-__attribute__((optimize("fp-contract=off"))) void scale_row(const float* sums, float scale, const float* bias,
-                                                            int64_t n, uint16_t* y) {
-#pragma omp simd
-  for (int64_t c = 0; c < n; ++c) y[c] = bf16_bits(scaled(sums, scale, bias, c));
+  for (int64_t c = 0; c < n; ++c) {
+    const float product = sums[c] * scale;
+    store_as(bias ? product + bias[c] : product, y + c);
+  }
 }
 
 }  // namespace
@@ -229,11 +221,7 @@ at::Tensor scale_int8_sums(const at::Tensor& sums, const at::Tensor& row_scales,
   void* dst = out.data_ptr();
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      if (bf16) {
-        scale_row(s + r * n, rs[r], b, n, static_cast<uint16_t*>(dst) + r * n);
-      } else {
-        scale_row(s + r * n, rs[r], b, n, static_cast<float*>(dst) + r * n);
-      }
+      with_output(bf16, dst, r * n, [&](auto* y) { scale_row(s + r * n, rs[r], b, n, y); });
     }
   });
   return out;

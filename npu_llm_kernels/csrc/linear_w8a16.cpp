@@ -29,9 +29,8 @@ void check_w8a16(const at::Tensor& weight, const at::Tensor& scale, const std::o
 at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
                            bool bf16) {
   check_w8a16(weight, scale, offset);
-  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
   const int64_t n = weight.size(0), k = weight.size(1), groups = scale.size(1), group = k / groups;
-  at::Tensor out = at::empty({n, k}, weight.options().dtype(dtype));
+  at::Tensor out = at::empty({n, k}, weight.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const int8_t* q = weight.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   const float* o = offset.has_value() ? offset->data_ptr<float>() : nullptr;
@@ -40,19 +39,15 @@ at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scale, co
     for (int64_t r = begin; r < end; ++r) {
       const int8_t* row = q + r * k;
       const float shift = o ? o[r] : 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float sg = s[r * groups + g];
-        const int64_t c0 = g * group;
-        if (dtype == at::kFloat) {
-          float* y = static_cast<float*>(dst) + r * k;
+      with_output(bf16, dst, r * k, [&](auto* y) {
+        for (int64_t g = 0; g < groups; ++g) {
+          const float sg = s[r * groups + g];
 #pragma omp simd
-          for (int64_t c = c0; c < c0 + group; ++c) y[c] = (static_cast<float>(row[c]) + shift) * sg;
-        } else {
-          uint16_t* y = static_cast<uint16_t*>(dst) + r * k;
-#pragma omp simd
-          for (int64_t c = c0; c < c0 + group; ++c) y[c] = bf16_bits((static_cast<float>(row[c]) + shift) * sg);
+          for (int64_t c = g * group; c < (g + 1) * group; ++c) {
+            store_as((static_cast<float>(row[c]) + shift) * sg, y + c);
+          }
         }
-      }
+      });
     }
   });
   return out;

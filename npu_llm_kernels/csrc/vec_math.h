@@ -37,6 +37,21 @@ inline uint16_t bf16_bits(float v) {
   return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
+// An fp32 result stored in an output of either dtype the kernels write: fp32 as it is, bf16 as its bits (bf16_bits).
+inline void store_as(float v, float* y) { *y = v; }
+inline void store_as(float v, uint16_t* y) { *y = bf16_bits(v); }
+
+// f(row) with `row` the output `dst` from element `offset` on, typed as its dtype says (bf16 as uint16_t bits): one
+// body, written once with `auto*`, serves both.
+template <typename F>
+inline void with_output(bool bf16, void* dst, int64_t offset, F&& f) {
+  if (bf16) {
+    f(static_cast<uint16_t*>(dst) + offset);
+  } else {
+    f(static_cast<float*>(dst) + offset);
+  }
+}
+
 // s[0 .. n) <- softmax(s[0 .. n)), in fp32.
 inline void softmax_in_place(float* s, int64_t n) {
   float max = -std::numeric_limits<float>::infinity();
