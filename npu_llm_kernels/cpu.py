@@ -166,11 +166,12 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
     if not (cpu_features().vnni and torch.backends.mkldnn.is_available() and ext is not None
             and ext.has_linear_int8_weights() and weight.shape[1] % 16 == 0):
         return weight
-    packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+    weight = weight.contiguous()
+    packed = torch.ops.onednn.qlinear_prepack(weight, None)
     packed.zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
     packed.out_features = weight.shape[0]
     if weight.numel() <= SMALL_INT8_LAYER:
-        packed.plain = weight.contiguous()
+        packed.plain = weight
     return packed
 
 

@@ -1,6 +1,7 @@
-"""W8A8 and W8A16 linear layers on the NPU, as vllm-ascend v0.23.0 runs them (docs/npu.md, section 13). W8A8: its `AscendW8A8DynamicLinearMethod` (quantization/methods/w8a8_dynamic.py) for dynamic per-token
-activations, and `AscendW8A8LinearMethod` (w8a8_static.py) for static ones, whose dequantization scale is
-input_scale * weight_scale for compressed-tensors checkpoints.
+"""W8A8 and W8A16 linear layers on the NPU, as vllm-ascend v0.23.0 runs them (docs/npu.md, section 13). W8A8: its
+`AscendW8A8DynamicLinearMethod` (quantization/methods/w8a8_dynamic.py) for dynamic per-token activations, and
+`AscendW8A8LinearMethod` (w8a8_static.py) for static ones, whose dequantization scale is input_scale * weight_scale
+for compressed-tensors checkpoints.
 
 - Weights: int8 [N, K] transposed to [K, N] and cast to FRACTAL_NZ (`npu_format_cast(w, 29)`, vllm-ascend's
   maybe_trans_nz, which converts int8 weights by default).
@@ -63,8 +64,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 def pack_w8a16_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor | None):
     """int8 [N, K] -> [K, N] in FRACTAL_NZ; scales [N, G] (and offsets [N, 1]) -> [N] per channel, [G, N] per group.
     The op takes groups of a multiple of 32 input features, fewer than K: others fail the load here, not a step."""
-    n, k = weight.shape
-    groups = weight_scale.shape[1]
+    k, groups = weight.shape[1], weight_scale.shape[1]
     if groups > 1 and ((k // groups) % 32 or k // groups >= k):
         raise ValueError(f"W8A16 groups of {k // groups} input features: npu_weight_quant_batchmatmul takes groups of "
                          f"a multiple of 32, fewer than K = {k}")

@@ -232,17 +232,16 @@ def _compressed_tensors(raw: dict, where: Path) -> CompressedTensors:
 
 def _scheme_of(scheme, packed: bool, where: str) -> Int8Scheme:
     weights, inputs = scheme.weights, scheme.input_activations
-    grouped = weights is not None and weights.strategy == "group" and inputs is None
-    if weights is None or not _int8_symmetric(weights) or weights.strategy not in ("channel", *(("group",) if grouped
-                                                                                                  else ())) \
-            or weights.dynamic or weights.actorder:
+    strategies = ("channel", "group") if inputs is None else ("channel",)  # (grouped scales: weight-only schemes)
+    if weights is None or not _int8_symmetric(weights) or weights.strategy not in strategies or weights.dynamic \
+            or weights.actorder:
         raise UnsupportedQuantization(
             f"{where}: weights {_describe(weights)} are not served; npu-llm runs int8 weights quantized symmetrically "
             "per output channel (or, without quantized activations, per group of input features)")
     if scheme.output_activations is not None:
         raise UnsupportedQuantization(f"{where}: quantized output activations are not served")
     if inputs is None:
-        group = weights.group_size if grouped else 0
+        group = weights.group_size if weights.strategy == "group" else 0
         return Int8Scheme(f"w8a16 (groups of {group})" if group else "w8a16", dynamic=False, weight_only=True,
                           group_size=group, packed=packed)
     if packed:
