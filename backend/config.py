@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
+from backend.engine.kv_transfer.config import KVTransferConfig
 from backend.models.registry import DEFAULT_MODEL
 
 # (No torch here: the CLI's --help and the gateway read the config without loading torch.)
@@ -50,6 +51,9 @@ class EngineConfig:
     # vLLM's: None reads the checkpoint's own quantization_config (compressed-tensors W8A8 is served,
     # docs/quantization.md); "compressed-tensors" insists on it; "ascend" reads an msModelSlim checkpoint
     quantization: str | None = None
+    # vLLM's: this engine as one side of disaggregated prefill, e.g. {"kv_connector": "MooncakeConnectorV1",
+    # "kv_role": "kv_producer", "kv_port": 14579} (docs/disaggregation.md); None: it prefills and decodes its own
+    kv_transfer_config: dict | None = None
 
     def __post_init__(self):
         self._check()
@@ -104,6 +108,23 @@ class EngineConfig:
             self._check_speculative(fail)
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             fail("quantization", f"must be one of {', '.join(QUANTIZATION_CHOICES)}, or unset (the checkpoint's own)")
+        if self.kv_transfer_config is not None:
+            self._check_kv_transfer(fail)
+
+    def _check_kv_transfer(self, fail) -> None:
+        """Parsed once, so that a generated engine_id stays the same; stored back as a plain dict."""
+        try:
+            self.kv_transfer_config = KVTransferConfig.model_validate(self.kv_transfer_config).model_dump()
+        except ValueError as e:  # (pydantic's ValidationError names each field)
+            fail("kv_transfer_config", str(e))
+        if self.tensor_parallel_size > 1:
+            fail("kv_transfer_config", "disaggregated prefill runs on one rank a side for now (tensor_parallel_size=1)")
+        if self.speculative_config is not None:
+            fail("kv_transfer_config", "the MTP drafter's KV is not transferred: leave speculative_config unset")
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        return None if self.kv_transfer_config is None else KVTransferConfig.model_validate(self.kv_transfer_config)
 
     def finalize(self, platform: str, model_max_len: int) -> None:
         """Fill the defaults that depend on the device and the model, and check what they constrain."""

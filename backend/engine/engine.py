@@ -23,6 +23,7 @@ from backend.engine import startup
 from backend.engine.executor import start_workers
 from backend.engine.input_processor import InputProcessor, PromptType
 from backend.engine.kv_cache import KVCacheManager
+from backend.engine.kv_transfer.connector import KVConnector, create_connector
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.outputs import RequestOutput
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 # An idle step waits this long for a grammar being compiled, instead of spinning.
 GRAMMAR_WAIT_S = 0.01
+
+# An idle step waits this long for a KV transfer to end (disaggregated prefill), instead of spinning.
+TRANSFER_WAIT_S = 0.002
 
 # Forward passes failing this many times in a row mean the device (not a request) is broken: the
 # engine stops (AsyncEngine reports it dead), as vLLM's does on a device error.
@@ -85,12 +89,14 @@ class LLMEngine:
         except BaseException:
             if workers is not None:  # no worker outlives a start that failed
                 workers.stop(graceful=False)
+            if getattr(self, "kv_connector", None) is not None:  # nor the connector's side channel and threads
+                self.kv_connector.shutdown()
             raise
         # What the engine holds outside this process's heap, released by shutdown() or, failing that, when the
         # engine is collected or the interpreter exits. The finalizer holds those resources, never the engine
         # itself (which it would then keep alive).
         runner = self.runner.runner if workers is not None else self.runner
-        self._finalizer = weakref.finalize(self, _release, workers, runner)
+        self._finalizer = weakref.finalize(self, _release, workers, runner, self.kv_connector)
 
     def _start(self, model_dir, tp, workers) -> None:
         """Load, size and allocate (backend/engine/startup.py), build the scheduler and what a step uses, warm up."""
@@ -100,9 +106,14 @@ class LLMEngine:
         self.tokenizer, self.eos_token_ids = started.tokenizer, started.eos_token_ids
         self.runner, self.memory_split = started.runner, started.memory_split
         self.kv = KVCacheManager(started.num_blocks, config.block_size, config.enable_prefix_caching)
+        # disaggregated prefill: the connector's two sides (backend/engine/kv_transfer/), both in this process
+        self.kv_connector: KVConnector | None = None
+        if config.kv_transfer is not None:
+            self.kv_connector = create_connector(config.kv_transfer, config.block_size, self.platform.name)
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            drafting=config.speculative_config is not None,
+            drafting=config.speculative_config is not None, connector=self.kv_connector,
         )
         # speculative decoding: the checkpoint's MTP layer drafts a token a step (spec_decode.py)
         self.drafter = MTPDrafter(self.runner, self.kv) if config.speculative_config is not None else None
@@ -139,7 +150,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        if request_id in self.outputs.parents or any(c in self.outputs.states for c in child_ids):
+        taken = self.outputs.states.keys() | self.scheduler.sending.keys()  # (a held prefill keeps its id's blocks)
+        if request_id in self.outputs.parents or any(c in taken for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, children = self.inputs.process(child_ids, prompt, params)
         if params.structured_outputs is not None:
@@ -199,7 +211,8 @@ class LLMEngine:
         return self.profiler
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.parents) or bool(self._aborted)
+        """Requests to step, or KV transfers to see through (a prefill's blocks held for a consumer)."""
+        return bool(self.outputs.parents) or bool(self._aborted) or self.scheduler.has_pending_transfers
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -213,6 +226,8 @@ class LLMEngine:
         with scope("step"):
             with scope("schedule"):
                 scheduled = self.scheduler.schedule()
+            if self.kv_connector is not None:
+                self.kv_connector.start_load_kv(self.kv_connector.build_connector_meta())
             if scheduled:
                 starts = [s.request.num_computed_tokens for s in scheduled]
                 step = self._execute(scheduled)
@@ -226,6 +241,8 @@ class LLMEngine:
                     self.drafter.draft(scheduled, starts, step)
                 self.scheduler.record_step(scheduled, num_generated)
                 outputs += self._outputs_of(touched)
+            if self.kv_connector is not None:
+                self._end_transfers(bool(scheduled))
         if not scheduled:  # nothing else to run: wait for a grammar being compiled, if any, instead of spinning
             self.structured_outputs.wait_while_compiling(GRAMMAR_WAIT_S)
         if scheduled and self.profiler is not None and self.profiler.active:
@@ -233,6 +250,15 @@ class LLMEngine:
             self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
                                     time.perf_counter() - start)
         return outputs
+
+    def _end_transfers(self, stepped: bool) -> None:
+        """After the forward pass: the connector's saves, then the transfers that ended (a pull the producer refused
+        fails its request). A step with nothing to run waits a moment for them instead of spinning."""
+        self.kv_connector.wait_for_save()
+        if not stepped:
+            time.sleep(TRANSFER_WAIT_S)
+        for request, error in self.scheduler.update_from_connector(self.kv_connector.get_finished()):
+            self._fail_sequence(request, error)
 
     def _execute(self, scheduled: list[ScheduledRequest]) -> StepOutput | None:
         """The forward pass: logits for the rows that want them; None (their requests failed) if it raises."""
@@ -372,10 +398,15 @@ class LLMEngine:
         )
 
 
-def _release(workers, runner: ModelRunner) -> None:
-    """An engine's shutdown (its finalizer): the workers and their process group first, then rank 0's KV cache."""
+def _release(workers, runner: ModelRunner, kv_connector: KVConnector | None) -> None:
+    """An engine's shutdown (its finalizer): the workers and their process group first, then the KV connector (its
+    threads, sockets and registrations), then rank 0's KV cache."""
     try:
         if workers is not None:
             workers.shutdown()
     finally:
-        runner.release_kv_cache()
+        try:
+            if kv_connector is not None:
+                kv_connector.shutdown()
+        finally:
+            runner.release_kv_cache()

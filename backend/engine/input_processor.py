@@ -58,7 +58,28 @@ class InputProcessor:
             )
         if cdiv(len(ids) + max_tokens, self.config.block_size) > self.num_kv_blocks:
             raise ValueError(f"prompt + max_tokens needs more KV blocks than the cache has ({self.num_kv_blocks})")
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer(ids, params)
         return max_tokens
+
+    def _check_kv_transfer(self, ids: list[int], params: SamplingParams) -> None:
+        """kv_transfer_params this engine can act on: its role, one sequence, a block table the prompt fills."""
+        transfer, role = params.kv_transfer_params, self.config.kv_transfer
+        if role is None:
+            raise ValueError("kv_transfer_params need an engine started with kv_transfer_config")
+        if transfer.do_remote_prefill and not role.is_consumer:
+            raise ValueError(f"do_remote_prefill needs a kv_consumer (or kv_both) engine; this one is {role.kv_role}")
+        if transfer.do_remote_decode and not role.is_producer:
+            raise ValueError(f"do_remote_decode needs a kv_producer (or kv_both) engine; this one is {role.kv_role}")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params need n=1")
+        if transfer.do_remote_prefill:
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be computed from a remote prefill: ask the prefill engine")
+            num_blocks = cdiv(len(ids), self.config.block_size)
+            if len(transfer.remote_block_ids) != num_blocks:
+                raise ValueError(f"remote_block_ids has {len(transfer.remote_block_ids)} blocks; a prompt of "
+                                 f"{len(ids)} tokens fills {num_blocks} of {self.config.block_size} tokens")
 
 
 def _token_ids(ids) -> list[int]:

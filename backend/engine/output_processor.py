@@ -101,7 +101,7 @@ class ParentRequest:
         scorer = self.states[0]  # (the sequence that scores the prompt, if asked)
         prompt_logprobs = list(scorer.prompt_logprobs) if scorer.prompt_scored else None
         return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, self.finished, metrics,
-                             prompt_logprobs)
+                             prompt_logprobs, first.kv_transfer_params_out)
 
 
 class OutputProcessor:

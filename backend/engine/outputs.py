@@ -51,3 +51,5 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, once the prompt has run: per prompt token (None for the first) its
     # token id -> Logprob, the token itself first, then the top alternatives
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # a finished prefill on a kv_producer: what a decode engine needs to pull its KV (backend/engine/kv_transfer/)
+    kv_transfer_params: dict | None = None

@@ -12,6 +12,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # holding blocks while another engine's prefill is pulled into them (backend/engine/kv_transfer/), then
+    # admitted with them
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
 
 
@@ -43,6 +46,10 @@ class Request:
         self.finish_time: float | None = None
         self.grammar = None  # a SequenceGrammar when params.structured_outputs asks for one (set by the engine)
         self.draft_token_ids: list[int] = []  # speculative decoding: tokens drafted after the last one, to verify
+        # disaggregated prefill: what the request came with (dropped once its KV is pulled, or given up on), and the
+        # params a producer returns for the consumer (backend/engine/kv_transfer/)
+        self.kv_transfer_params = params.kv_transfer_params
+        self.kv_transfer_params_out: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

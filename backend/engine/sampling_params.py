@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backend.engine.kv_transfer.params import KVTransferParams
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing by less overflows fp32 logits.
 GREEDY_TEMPERATURE = 1e-5
@@ -98,6 +100,8 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # disaggregated prefill (docs/disaggregation.md): set by the proxy, vLLM's keys
+    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("structured_outputs", mode="before")
     @classmethod
@@ -108,6 +112,17 @@ class SamplingParams(BaseModel):
                 return json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs is not valid JSON: {e}") from None
+        return value
+
+    @field_validator("kv_transfer_params", mode="before")
+    @classmethod
+    def _kv_transfer_params_text(cls, value):
+        """A Triton request parameter carries them as JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_params is not valid JSON: {e}") from None
         return value
 
     @field_validator("stop", mode="before")

@@ -5,15 +5,24 @@ most recently admitted running request is preempted (blocks freed, recomputed la
 
 After the forward pass, update_from_output moves each scheduled request on: its tokens are
 in the cache now, its sampled token is appended, and a stop token or its length finishes it.
+
+With a KV connector (disaggregated prefill, backend/engine/kv_transfer/), a request whose prompt KV another engine
+holds is admitted with blocks for it and waits, taking no step, while it is pulled (`loading`); it then runs its last
+prompt token. A finished request whose blocks a consumer will pull keeps them until released (`sending`).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
+
 from backend.engine.kv_cache import KVCacheManager
+from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector
 from backend.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,8 +43,11 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                 drafting: bool = False):
+                 drafting: bool = False, connector: KVConnector | None = None):
         self.kv = kv
+        self.connector = connector
+        self.loading: dict[str, Request] = {}  # request id -> request whose prompt KV is being pulled into its blocks
+        self.sending: dict[str, Request] = {}  # request id -> finished request whose blocks a consumer will pull
         # With an MTP drafter the draft layer's KV at a block's last position was computed from the token after the
         # block, which a prefix-cache hit does not match: the last hit block is computed again (as vLLM does).
         self.drafting = drafting
@@ -72,8 +84,15 @@ class Scheduler:
         """Allocated but unused KV slots over allocated ones, averaged over the steps."""
         return self._waste_sum / self.num_steps if self.num_steps else 0.0
 
+    @property
+    def has_pending_transfers(self) -> bool:
+        return bool(self.loading or self.sending)
+
     def remove(self, request: Request) -> None:
-        """Take a finished or aborted request out of the queues and give its blocks back."""
+        """Take a finished or aborted request out of the queues and give its blocks back (a request being loaded
+        keeps them until its load ends: they are being written)."""
+        if request.request_id in self.loading:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -114,6 +133,14 @@ class Scheduler:
             if request.waiting_for_grammar:
                 compiling.append(self.waiting.popleft())
                 continue
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:  # its prompt's KV has arrived
+                if not self.kv.allocate(request, 1):
+                    break
+                self.waiting.popleft()
+                self._run(request)
+                scheduled.append(ScheduledRequest(request, 1))  # the last prompt token, for the first token's logits
+                budget -= 1
+                continue
             hits = self.kv.find_cached_prefix(request)
             if self.drafting:
                 hits = hits[:-1]
@@ -121,6 +148,11 @@ class Scheduler:
             if self._next_block_being_computed(request, len(hits), computing):
                 break  # wait one step and take it from the prefix cache (n > 1 siblings, repeated prompts)
             num_new = len(request.token_ids) - num_cached
+            num_external = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
+            if num_external:
+                if not self._start_loading(request, hits, num_external):
+                    break
+                continue
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
@@ -134,13 +166,65 @@ class Scheduler:
                 self.kv.record_lookup(request, num_cached)
             if self.kv.enable_prefix_caching:
                 computing.update(self.kv.block_hashes(request, (num_cached + num_new) // self.kv.block_size))
-            request.status = RequestStatus.RUNNING
-            request.scheduled_time = request.scheduled_time or time.time()
-            self.running.append(request)
+            self._run(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
         return scheduled
+
+    def _run(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.scheduled_time = request.scheduled_time or time.time()
+        self.running.append(request)
+
+    def _start_loading(self, request: Request, hits: list[int], num_external: int) -> bool:
+        """Admit a request whose prompt KV (past its local hits) another engine holds: blocks for its whole prompt,
+        then it waits for the pull, taking no step. False (nothing changed) if the blocks are not free."""
+        num_cached = len(hits) * self.kv.block_size
+        request.num_computed_tokens = num_cached
+        if not self.kv.allocate(request, num_external, hits):
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        request.num_cached_tokens = num_cached
+        self.kv.record_lookup(request, num_cached)
+        self.connector.update_state_after_alloc(request, self.kv.block_ids(request), num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.scheduled_time = time.time()
+        self.loading[request.request_id] = request
+        return True
+
+    def update_from_connector(self, finished: FinishedTransfers) -> list[tuple[Request, BaseException]]:
+        """Transfers that ended: released blocks are freed; pulled requests queue first, their prompt computed but
+        its last token; a failed pull is recomputed here, unless the producer refused it (the request's
+        kv_transfer_params were wrong). Returns the requests that fail, with why."""
+        for request_id in finished.sending:
+            request = self.sending.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+        failed = []
+        for request_id in finished.recving | finished.failed.keys():
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue
+            request.kv_transfer_params = None  # pulled once, never again (a preemption recomputes)
+            error = finished.failed.get(request_id)
+            if request.finished:  # aborted while its blocks were being written
+                self.kv.free(request)
+            elif error is None:
+                request.num_computed_tokens = len(request.token_ids) - 1
+                self.kv.cache_full_blocks(request)
+                self.waiting.appendleft(request)
+            else:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                if isinstance(error, ValueError):
+                    failed.append((request, error))
+                else:
+                    log.warning("computing request %s's prompt here instead: %s", request_id, error)
+                    self.waiting.appendleft(request)
+        return failed
 
     def _next_block_being_computed(self, request: Request, num_hits: int, computing: set[int]) -> bool:
         if not computing or (len(request.token_ids) - 1) // self.kv.block_size <= num_hits:
@@ -192,6 +276,13 @@ class Scheduler:
             self.finish(request, "length")
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a request (stop, length or abort) and give its blocks back."""
+        """End a request (stop, length or abort) and give its blocks back, unless a consumer will pull them."""
         request.finish(reason, stop_reason)
+        if self.connector is not None and request.request_id not in self.loading:
+            hold, request.kv_transfer_params_out = self.connector.request_finished(request, self.kv.block_ids(request))
+            if hold:
+                if request in self.running:
+                    self.running.remove(request)
+                self.sending[request.request_id] = request
+                return
         self.remove(request)

@@ -1,0 +1,69 @@
+"""kv_transfer_config: vLLM's engine argument that makes an engine one side of prefill/decode disaggregation
+(docs/disaggregation.md). Pydantic only, no torch: the config and the CLI check it without loading the engine."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+KV_CONNECTORS = ("MooncakeConnectorV1",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# How long a producer keeps a finished prefill's blocks for a consumer that never pulls them (vLLM's NIXL connector
+# waits 480 s; a CPU's KV cache is smaller, so the default here is shorter). kv_connector_extra_config can set it.
+DEFAULT_ABORT_TIMEOUT_S = 120.0
+
+
+class KVTransferConfig(BaseModel):
+    """vLLM's keys. kv_port is this engine's side channel (ZMQ), where consumers fetch the KV layout and claim and
+    release a prefill's blocks; the transfer engine's own port is chosen free and published there."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kv_connector: str
+    kv_role: str
+    kv_ip: str = "127.0.0.1"  # the address other engines reach this one at (side channel and transfer engine)
+    kv_port: int = Field(14579, ge=1, le=65535)
+    engine_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    # abort_timeout_s: see DEFAULT_ABORT_TIMEOUT_S; other keys (vllm-ascend's "prefill"/"decode" sizes) are ignored
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    # vLLM's keys that this connector does not need; accepted so that vLLM's configs load unchanged
+    kv_buffer_device: str | None = None
+    kv_buffer_size: float | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int | None = None
+    kv_connector_module_path: str | None = None
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _known_connector(cls, value: str) -> str:
+        if value not in KV_CONNECTORS:
+            raise ValueError(f"unknown kv_connector {value!r}; this engine has {', '.join(KV_CONNECTORS)}")
+        return value
+
+    @field_validator("kv_role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value not in KV_ROLES:
+            raise ValueError(f"unknown kv_role {value!r}; one of {', '.join(KV_ROLES)}")
+        return value
+
+    @field_validator("kv_connector_extra_config")
+    @classmethod
+    def _timeout(cls, value: dict) -> dict:
+        timeout = value.get("abort_timeout_s", DEFAULT_ABORT_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"kv_connector_extra_config.abort_timeout_s must be a positive number, got {timeout!r}")
+        return value
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def abort_timeout_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("abort_timeout_s", DEFAULT_ABORT_TIMEOUT_S))

@@ -1,0 +1,298 @@
+"""MooncakeConnectorV1: prefill on one engine, decode on another, the prompt's KV pulled between them by Mooncake's
+transfer engine, as vllm-ascend's connector of that name does it.
+
+- The producer (kv_producer) registers its KV tensors with the transfer engine and serves a side channel on kv_port.
+  When a request sent with {"do_remote_decode": true} finishes, its prompt blocks stay held, and its output carries
+  the kv_transfer_params a consumer needs: the producer's engine id, address, request id and block ids.
+- The consumer (kv_consumer) admits a request sent with those params as soon as blocks are free for its prompt
+  (after its own prefix-cache hits), and pulls the remote blocks into them on a thread while other requests step:
+  it fetches the producer's layout once, claims the request's blocks (the producer checks that it holds exactly those
+  blocks for exactly that prompt), reads them with batch_transfer_sync_read, one transfer per run of contiguous
+  blocks per tensor, then releases them. The last prompt token then runs locally, giving the first token's logits
+  (as vLLM's consumer does). A producer that does not hear back within abort_timeout_s frees the blocks anyway.
+- Both ends must serve the same model, dtype and block size, on one rank each (tensor_parallel_size=1).
+
+A claim the producer refuses fails the request with a ValueError (its kv_transfer_params were wrong: HTTP 400).
+A transfer that cannot happen (the producer gone, a timeout) is not the client's fault: the request's prompt is
+computed locally instead (vLLM's "recompute" policy).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.kv_transfer.config import KVTransferConfig
+from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
+from backend.engine.kv_transfer.side_channel import SideChannelServer, call
+from backend.engine.kv_transfer.transfer_engine import start_transfer_engine
+from backend.engine.request import Request
+from npu_llm_kernels.metadata import cdiv
+
+log = logging.getLogger(__name__)
+
+SIDE_CHANNEL_TIMEOUT_S = 5.0
+LOAD_THREADS = 2  # pulls in flight at once (each is one batch transfer)
+
+
+class TransferFailed(RuntimeError):
+    """The KV could not be moved (the producer unreachable, a transfer error): the prompt is computed locally."""
+
+
+@dataclass
+class TransferStats:
+    """What the consumer pulled and the producer held: vllm:kv_transfer_* counters (backend/triton/metrics.py)."""
+
+    bytes: int = 0
+    blocks: int = 0
+    seconds: float = 0.0  # summed over pulls: claim, read and release
+    pulls: int = 0
+    failures: int = 0  # pulls that failed (recomputed or refused)
+    expired: int = 0  # (producer) held blocks freed by abort_timeout_s, never released by a consumer
+
+    def copy(self) -> "TransferStats":
+        return TransferStats(**vars(self))
+
+
+@dataclass
+class _Held:
+    """A finished prefill's blocks, kept for the consumer that claims them."""
+
+    block_ids: list[int]
+    prompt_token_ids: list[int]
+    deadline: float  # time.monotonic()
+    claimed: bool = False
+
+
+@dataclass
+class _Peer:
+    """A producer's KV layout, as its side channel describes it."""
+
+    engine_id: str
+    session: str  # the transfer engine's "host:rpc_port"
+    tensors: list[tuple[int, int]]  # (base address, bytes per block) of each registered tensor, in layer order
+    block_size: int
+
+
+class MooncakeConnectorV1(KVConnector):
+    def __init__(self, config: KVTransferConfig, block_size: int, platform: str):
+        super().__init__(config, block_size)
+        self._engine = start_transfer_engine(config.kv_ip, platform)
+        self._tensors: list[tuple[int, int]] = []  # ours, as in _Peer.tensors
+        self._num_blocks = 0
+        self._lock = threading.Lock()  # _held, _released and stats: the side channel's thread shares them
+        self._held: dict[str, _Held] = {}
+        self._released: set[str] = set()
+        self._loads: list[KVLoad] = []  # decided this step, for build_connector_meta
+        self._loaded: queue.SimpleQueue = queue.SimpleQueue()  # (request id, None or the error) of ended pulls
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="npu-llm-kv-load")
+        self._server: SideChannelServer | None = None
+        self.stats = TransferStats()
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_prefill:
+            return 0
+        return request.num_prompt_tokens - num_computed_tokens
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens:
+            first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+            self._loads.append(KVLoad(request.request_id, list(request.prompt_token_ids), list(block_ids),
+                                      request.kv_transfer_params, first))
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        metadata, self._loads = KVConnectorMetadata(self._loads), []
+        return metadata
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_decode or request.finish_reason == "abort":
+            return False, None
+        blocks = list(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)])
+        with self._lock:
+            self._held[request.request_id] = _Held(blocks, list(request.prompt_token_ids),
+                                                   time.monotonic() + self.config.abort_timeout_s)
+        return True, {
+            "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": self.config.engine_id,
+            "remote_request_id": request.request_id, "remote_block_ids": blocks, "remote_host": self.config.kv_ip,
+            "remote_port": self.config.kv_port, "remote_tp_size": 1,
+        }
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
+        tensors = list({t.data_ptr(): t for layer in kv_caches for t in layer}.values())  # (one may serve as both)
+        for t in tensors:
+            if t.stride(0) * t.shape[0] != t.numel():
+                raise ValueError("a KV tensor to transfer must be contiguous blocks")
+            status = self._engine.register_memory(t.data_ptr(), t.numel() * t.element_size())
+            if status != 0:
+                raise RuntimeError(f"Mooncake could not register the KV cache (status {status})")
+        self._tensors = [(t.data_ptr(), t.stride(0) * t.element_size()) for t in tensors]
+        self._num_blocks = tensors[0].shape[0] if tensors else 0
+        if self.config.is_producer:
+            self._server = SideChannelServer(self.config.kv_ip, self.config.kv_port, self._answer)
+        log.info("KV transfer: %s as %s, engine %s, side channel %s:%d, transfer engine %s:%d",
+                 self.config.kv_connector, self.config.kv_role, self.config.engine_id, self.config.kv_ip,
+                 self.config.kv_port, self.config.kv_ip, self._engine.get_rpc_port())
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        for load in metadata.loads:
+            self._pool.submit(self._load, load)
+
+    def get_finished(self) -> FinishedTransfers:
+        finished = FinishedTransfers()
+        with self._lock:
+            now = time.monotonic()
+            for request_id in [r for r, held in self._held.items() if held.deadline < now]:
+                log.warning("KV transfer: no consumer released request %s within %.0f s; freeing its blocks",
+                            request_id, self.config.abort_timeout_s)
+                del self._held[request_id]
+                self._released.add(request_id)
+                self.stats.expired += 1
+            finished.sending, self._released = self._released, set()
+        while True:
+            try:
+                request_id, error = self._loaded.get_nowait()
+            except queue.Empty:
+                return finished
+            if error is None:
+                finished.recving.add(request_id)
+            else:
+                finished.failed[request_id] = error
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for address, _ in self._tensors:
+            self._engine.unregister_memory(address)
+        self._tensors = []
+
+    # -- the producer's side channel --------------------------------------------------------------
+
+    def _answer(self, request: dict) -> dict:
+        op = request.get("op")
+        if op == "layout":
+            return {"engine_id": self.config.engine_id, "session": f"{self.config.kv_ip}:{self._engine.get_rpc_port()}",
+                    "tensors": self._tensors, "block_size": self.block_size}
+        if op == "claim":
+            self._claim(request)
+            return {"ok": True}
+        if op == "release":
+            with self._lock:
+                if self._held.pop(str(request.get("request_id")), None) is not None:
+                    self._released.add(str(request.get("request_id")))
+            return {"ok": True}
+        raise ValueError(f"unknown side-channel op {op!r}")
+
+    def _claim(self, request: dict) -> None:
+        """A consumer asks for a request's blocks: only the very blocks held for that very prompt, once."""
+        me, request_id = self.config.engine_id, request.get("request_id")
+        if request.get("engine_id") != me:
+            raise ValueError(f"kv_transfer_params name engine {request.get('engine_id')!r}, but this is engine {me!r}")
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                raise ValueError(f"engine {me!r} holds no prefill of request {request_id!r} (unknown, already "
+                                 "pulled, or timed out)")
+            if held.claimed:
+                raise ValueError(f"the prefill of request {request_id!r} is already being pulled")
+            if request.get("block_ids") != held.block_ids:
+                raise ValueError(f"remote_block_ids are not the blocks engine {me!r} holds for request {request_id!r}")
+            if request.get("prompt_token_ids") != held.prompt_token_ids:
+                raise ValueError(f"the prompt is not the one engine {me!r} prefilled as request {request_id!r}")
+            held.claimed = True
+
+    # -- the consumer's pull ----------------------------------------------------------------------
+
+    def _load(self, load: KVLoad) -> None:
+        """Claim, read and release one request's blocks (on a pool thread); the outcome goes to get_finished."""
+        begin = time.perf_counter()
+        remote = load.remote
+        try:
+            peer = self._peer(remote.remote_host, remote.remote_port, remote.remote_engine_id)
+            self._call(remote.remote_host, remote.remote_port, {
+                "op": "claim", "engine_id": remote.remote_engine_id, "request_id": remote.remote_request_id,
+                "block_ids": remote.remote_block_ids, "prompt_token_ids": load.prompt_token_ids})
+            try:
+                num_blocks, num_bytes = self._read(peer, load)
+            finally:
+                self._call(remote.remote_host, remote.remote_port,
+                           {"op": "release", "request_id": remote.remote_request_id})
+        except Exception as e:
+            log.warning("KV transfer of request %s failed: %s", load.request_id, e)
+            with self._lock:
+                self.stats.failures += 1
+            self._loaded.put((load.request_id, e))
+            return
+        with self._lock:
+            self.stats.pulls += 1
+            self.stats.blocks += num_blocks
+            self.stats.bytes += num_bytes
+            self.stats.seconds += time.perf_counter() - begin
+        self._loaded.put((load.request_id, None))
+
+    def _call(self, host: str, port: int, request: dict) -> dict:
+        try:
+            answer = call(host, port, request, SIDE_CHANNEL_TIMEOUT_S)
+        except TimeoutError as e:
+            raise TransferFailed(str(e)) from None
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        return answer
+
+    def _peer(self, host: str, port: int, engine_id: str) -> _Peer:
+        """The producer's layout (asked once per address), checked against ours."""
+        peer = self._peers.get((host, port))
+        if peer is None:
+            answer = self._call(host, port, {"op": "layout"})
+            peer = _Peer(answer["engine_id"], answer["session"], [tuple(t) for t in answer["tensors"]],
+                         answer["block_size"])
+            mine = [size for _, size in self._tensors]
+            if peer.block_size != self.block_size or [size for _, size in peer.tensors] != mine:
+                raise RuntimeError(
+                    f"the KV producer at {host}:{port} lays its cache out differently ({len(peer.tensors)} tensors, "
+                    f"block_size {peer.block_size}) from this engine ({len(mine)} tensors, block_size "
+                    f"{self.block_size}): both sides must serve the same model with the same dtype and block_size")
+            self._peers[(host, port)] = peer
+        if peer.engine_id != engine_id:
+            raise ValueError(f"kv_transfer_params name engine {engine_id!r}, but the engine at {host}:{port} is "
+                             f"{peer.engine_id!r}")
+        return peer
+
+    def _read(self, peer: _Peer, load: KVLoad) -> tuple[int, int]:
+        """Pull the remote blocks into ours: one transfer per run of blocks contiguous on both sides, per tensor.
+        Returns (blocks, bytes) moved."""
+        pairs = list(zip(load.local_block_ids, load.remote.remote_block_ids))[load.first_block:]
+        locals_, remotes, lengths = [], [], []
+        for local, remote, count in _runs(pairs):
+            for (local_base, size), (remote_base, _) in zip(self._tensors, peer.tensors):
+                locals_.append(local_base + local * size)
+                remotes.append(remote_base + remote * size)
+                lengths.append(count * size)
+        if locals_:
+            status = self._engine.batch_transfer_sync_read(peer.session, locals_, remotes, lengths)
+            if status != 0:
+                raise TransferFailed(f"reading {len(pairs)} blocks from {peer.session} failed (status {status})")
+        return len(pairs), sum(lengths)
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(local, remote) block pairs as runs (first local, first remote, count) contiguous on both sides."""
+    runs = []
+    for local, remote in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == local and runs[-1][1] + runs[-1][2] == remote:
+            runs[-1][2] += 1
+        else:
+            runs.append([local, remote, 1])
+    return [tuple(run) for run in runs]

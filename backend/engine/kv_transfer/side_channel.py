@@ -1,0 +1,77 @@
+"""The side channel between the two sides of a transfer (ZMQ, as vllm-ascend's Mooncake connector uses): small JSON
+requests and answers beside the transfer engine, which moves only the bytes. A producer serves it on kv_port."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often the server thread looks up from its socket to see whether it should stop
+
+
+class SideChannelServer:
+    """Answers each request with handler(request) on a thread of its own. A handler's ValueError becomes an
+    {"error": ...} answer; the server keeps serving whatever a peer sends."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[dict], dict]):
+        self._handler = handler
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as e:
+            self._socket.close()
+            self._context.term()
+            raise RuntimeError(f"kv_transfer_config: cannot serve the side channel on {host}:{port}: {e}") from None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="npu-llm-kv-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            if not self._socket.poll(POLL_MS):
+                continue
+            identity, _, body = self._socket.recv_multipart()
+            try:
+                request = json.loads(body)
+                if not isinstance(request, dict):
+                    raise ValueError("a side-channel request is a JSON object")
+                answer = self._handler(request)
+            except ValueError as e:  # (json's errors included)
+                answer = {"error": str(e)}
+            except Exception as e:
+                log.exception("side-channel request failed")
+                answer = {"error": f"internal error: {e!r}"}
+            self._socket.send_multipart([identity, b"", json.dumps(answer).encode()])
+        self._socket.close()
+        self._context.term()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+
+def call(host: str, port: int, request: dict, timeout_s: float) -> dict:
+    """One request to a peer's side channel. Raises TimeoutError when it does not answer in time (a socket per call:
+    a REQ socket that timed out cannot be used again)."""
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    try:
+        socket.connect(f"tcp://{host}:{port}")
+        socket.send(json.dumps(request).encode())
+        return json.loads(socket.recv())
+    except zmq.Again:
+        raise TimeoutError(f"the KV producer's side channel at {host}:{port} did not answer in {timeout_s} s") from None
+    except zmq.ZMQError as e:  # (an address ZMQ cannot even connect to)
+        raise ValueError(f"cannot reach a side channel at {host}:{port}: {e}") from None
+    finally:
+        socket.close()

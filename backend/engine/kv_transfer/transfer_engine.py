@@ -1,0 +1,22 @@
+"""Mooncake's transfer engine, started the way vllm-ascend starts it: peer-to-peer handshakes (no metadata server),
+over TCP for host memory (the CPU's KV cache), or over Ascend's own transport for NPU memory."""
+from __future__ import annotations
+
+INSTALL_HINT = ("`make install` installs it: pip's mooncake-transfer-engine-non-cuda (mooncake-transfer-engine-npu on "
+                "Ascend) and Debian's libibverbs1 librdmacm1 libnuma1 liburing2 (docs/disaggregation.md)")
+
+
+def start_transfer_engine(host: str, platform: str):
+    """A TransferEngine listening on host (its RPC port chosen free: get_rpc_port()). Fails naming what is missing
+    when Mooncake or the libraries it loads are not installed."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise RuntimeError(f"kv_transfer_config needs Mooncake's transfer engine, which does not load ({e}); "
+                           f"{INSTALL_HINT}") from None
+    engine = TransferEngine()
+    protocol = "ascend" if platform == "npu" else "tcp"  # (the "ascend" transport finds its device itself: "")
+    status = engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+    if status != 0:
+        raise RuntimeError(f"Mooncake's transfer engine did not start on {host} over {protocol} (status {status})")
+    return engine
