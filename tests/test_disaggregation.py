@@ -1,0 +1,237 @@
+"""Disaggregated prefill between two real engines (backend/engine/kv_transfer/): a producer prefills, a consumer
+pulls the prompt's KV with Mooncake's transfer engine over TCP and decodes. Greedy outputs in fp32 are those of a
+colocated engine; every block returns to its pool on both sides; wrong kv_transfer_params fail their own request."""
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine.engine import LLMEngine
+from backend.engine.kv_transfer import mooncake
+from backend.engine.kv_transfer.transfer_engine import start_transfer_engine
+from backend.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+COMMON = dict(dtype="float32", block_size=BLOCK, num_kv_blocks=96, max_model_len=512)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_config(role: str, engine_id: str, **extra) -> dict:
+    return {"kv_connector": "MooncakeConnectorV1", "kv_role": role, "kv_port": free_port(), "engine_id": engine_id,
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir, default_model_dir):
+    common = dict(COMMON, model=str(tiny_llama_dir), tokenizer=str(default_model_dir))
+    producer = LLMEngine(EngineConfig(**common, kv_transfer_config=kv_config(
+        "kv_producer", "prefill-0", kv_connector_extra_config={"abort_timeout_s": 3})))
+    consumer = LLMEngine(EngineConfig(**common, kv_transfer_config=kv_config("kv_consumer", "decode-0")))
+    colocated = LLMEngine(EngineConfig(**common))
+    yield producer, consumer, colocated
+    for engine in (producer, consumer, colocated):
+        engine.shutdown()
+
+
+def run(engine, request_id, prompt_ids, **params):
+    """The request's final output, stepping the engine until it ends; its error if it failed."""
+    engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, **params))
+    for _ in range(10_000):
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output
+        failures = engine.take_failures()
+        if request_id in failures:
+            return failures[request_id]
+    raise AssertionError(f"request {request_id} never finished")
+
+
+def settle(*engines):
+    """Step until no engine has requests or transfers left."""
+    for _ in range(10_000):
+        busy = [e for e in engines if e.has_unfinished_requests()]
+        if not busy:
+            return
+        for engine in busy:
+            engine.step()
+    raise AssertionError("transfers never ended")
+
+
+def prefill(producer, request_id, prompt_ids) -> dict:
+    output = run(producer, request_id, prompt_ids, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert output.kv_transfer_params["do_remote_prefill"], output
+    return output.kv_transfer_params
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 200 + 3 for i in range(length)]
+
+
+def assert_all_blocks_free(*engines):
+    for engine in engines:
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert not engine.scheduler.loading and not engine.scheduler.sending
+
+
+def test_consumer_decodes_the_producers_prefill_as_a_colocated_engine_would(engines):
+    producer, consumer, colocated = engines
+    shared = prompt(9, 3 * BLOCK)
+    prompts = {
+        "short": prompt(1, 5),  # less than a block
+        "one-block": prompt(2, BLOCK),  # exactly one: the consumer recomputes its last token inside the pulled block
+        "long": prompt(3, 7 * BLOCK + 3),  # several blocks, the last partial
+        "prefix-a": shared + prompt(4, 20),
+        "prefix-b": shared + prompt(5, 11),  # its 3 shared blocks are in the consumer's cache by then: not pulled
+    }
+    before = consumer.kv_connector.stats.copy()
+    for name, ids in prompts.items():
+        params = prefill(producer, f"p-{name}", ids)
+        assert params["remote_engine_id"] == "prefill-0" and len(params["remote_block_ids"]) == -(-len(ids) // BLOCK)
+        decoded = run(consumer, f"d-{name}", ids, max_tokens=20, kv_transfer_params=params)
+        reference = run(colocated, f"c-{name}", ids, max_tokens=20)
+        assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids, name
+        if name == "prefix-b":
+            assert decoded.metrics.num_cached_tokens == 3 * BLOCK
+    settle(producer, consumer)
+    stats = consumer.kv_connector.stats
+    expected_blocks = sum(-(-len(ids) // BLOCK) for ids in prompts.values()) - 3
+    assert stats.pulls - before.pulls == len(prompts) and stats.failures == before.failures
+    assert stats.blocks - before.blocks == expected_blocks
+    assert stats.bytes - before.bytes == expected_blocks * consumer.runner.bytes_per_block(consumer.model, BLOCK)
+    # the consumer ran each prompt's last token only, never the pulled ones
+    assert_all_blocks_free(producer, consumer)
+
+
+def test_requests_decode_while_another_is_pulled(engines):
+    producer, consumer, colocated = engines
+    ids = [prompt(10 + i, 2 * BLOCK + i) for i in range(4)]
+    params = [prefill(producer, f"p-batch-{i}", p) for i, p in enumerate(ids)]
+    for i, p in enumerate(ids):
+        consumer.add_request(f"d-batch-{i}", {"prompt_token_ids": p},
+                             SamplingParams(temperature=0, max_tokens=12, kv_transfer_params=params[i]))
+    consumer.add_request("local", {"prompt_token_ids": prompt(20, 30)}, SamplingParams(temperature=0, max_tokens=12))
+    outputs = {}
+    while consumer.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in consumer.step() if o.finished})
+    for i, p in enumerate(ids):
+        assert outputs[f"d-batch-{i}"].outputs[0].token_ids == run(colocated, f"c-batch-{i}", p, max_tokens=12).outputs[0].token_ids
+    assert outputs["local"].outputs[0].token_ids == run(colocated, "c-local", prompt(20, 30), max_tokens=12).outputs[0].token_ids
+    settle(producer, consumer)
+    assert_all_blocks_free(producer, consumer)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"remote_request_id": "nobody"}, "holds no prefill of request 'nobody'"),
+    ({"remote_block_ids": "shifted"}, "are not the blocks"),
+    ({"remote_engine_id": "prefill-9"}, "name engine 'prefill-9'"),
+    ({"prompt": "other"}, "not the one engine 'prefill-0' prefilled"),
+])
+def test_a_claim_the_producer_refuses_fails_only_its_request(engines, change, message):
+    producer, consumer, _ = engines
+    ids = prompt(30, 2 * BLOCK + 5)
+    params = prefill(producer, f"p-refused-{len(change)}-{message[:8]}", ids)
+    wrong = dict(params)
+    asked = list(ids)
+    for key, value in change.items():
+        if key == "prompt":
+            asked[3] += 1
+        elif value == "shifted":
+            wrong[key] = [b + 1 for b in params["remote_block_ids"]]
+        else:
+            wrong[key] = value
+    consumer.add_request("bystander", {"prompt_token_ids": prompt(31, 20)}, SamplingParams(temperature=0, max_tokens=8))
+    error = run(consumer, "refused", asked, max_tokens=8, kv_transfer_params=wrong)
+    assert isinstance(error, ValueError) and message in str(error), error
+    # the right params still work: a refused claim takes nothing from the producer
+    assert run(consumer, "accepted", ids, max_tokens=8, kv_transfer_params=params).finished
+    settle(producer, consumer)
+    assert_all_blocks_free(producer, consumer)
+
+
+def test_an_unreachable_producer_means_the_prompt_is_computed_here(engines, monkeypatch):
+    producer, consumer, colocated = engines
+    monkeypatch.setattr(mooncake, "SIDE_CHANNEL_TIMEOUT_S", 0.5)
+    ids = prompt(40, 3 * BLOCK + 1)
+    params = dict(prefill(producer, "p-gone", ids), remote_host="127.0.0.1", remote_port=free_port())
+    failures = consumer.kv_connector.stats.failures
+    decoded = run(consumer, "d-gone", ids, max_tokens=10, kv_transfer_params=params)
+    assert decoded.outputs[0].token_ids == run(colocated, "c-gone", ids, max_tokens=10).outputs[0].token_ids
+    assert consumer.kv_connector.stats.failures == failures + 1
+    settle(producer, consumer)  # the producer frees its blocks when nobody claims them (abort_timeout_s=3)
+    assert producer.kv_connector.stats.expired >= 1
+    assert_all_blocks_free(producer, consumer)
+
+
+def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
+    producer, consumer, _ = engines
+    ids = prompt(50, 4 * BLOCK)
+    params = prefill(producer, "p-abort", ids)
+    consumer.add_request("d-abort", {"prompt_token_ids": ids},
+                         SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
+    consumer.step()  # admitted: blocks allocated, the pull started
+    assert "d-abort" in consumer.scheduler.loading
+    consumer.abort_request("d-abort")
+    settle(producer, consumer)
+    assert_all_blocks_free(producer, consumer)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"do_remote_prefill": True}, "need remote_engine_id, remote_request_id, remote_block_ids"),
+    ({"do_remote_decode": True, "do_remote_prefill": True}, "exclude each other"),
+    ({"do_remote_decode": True, "surprise": 1}, "surprise"),
+    ({"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [-1],
+      "remote_host": "h", "remote_port": 1}, "greater than or equal to 0"),
+    ({"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [1],
+      "remote_host": "h", "remote_port": 70000}, "remote_port"),
+])
+def test_malformed_kv_transfer_params_are_refused_where_they_enter(params, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(kv_transfer_params=params)
+
+
+def test_kv_transfer_params_an_engine_cannot_act_on_are_refused_at_add(engines):
+    producer, consumer, colocated = engines
+    remote = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [0],
+              "remote_host": "127.0.0.1", "remote_port": 1}
+    cases = [
+        (colocated, {"do_remote_decode": True}, {}, "need an engine started with kv_transfer_config"),
+        (consumer, {"do_remote_decode": True}, {}, "needs a kv_producer"),
+        (producer, remote, {}, "needs a kv_consumer"),
+        (producer, {"do_remote_decode": True}, {"n": 2}, "need n=1"),
+        (consumer, remote, {"prompt_logprobs": 1}, "prompt_logprobs"),
+        (consumer, dict(remote, remote_block_ids=[0, 1]), {}, "remote_block_ids has 2 blocks"),
+    ]
+    for engine, params, extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", {"prompt_token_ids": prompt(60, 10)},
+                               SamplingParams(kv_transfer_params=params, **extra))
+    assert_all_blocks_free(producer, consumer, colocated)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, "unknown kv_connector 'NixlConnector'"),
+    ({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_prefill"}, "unknown kv_role 'kv_prefill'"),
+    ({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_both", "kv_prot": 1}, "kv_prot"),
+    ({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"abort_timeout_s": 0}}, "abort_timeout_s must be a positive number"),
+])
+def test_a_kv_transfer_config_it_cannot_serve_fails_the_load_naming_it(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(kv_transfer_config=config)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig(tensor_parallel_size=2, kv_transfer_config={"kv_connector": "MooncakeConnectorV1",
+                                                                 "kv_role": "kv_both"})
+
+
+def test_without_mooncake_the_start_names_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # (import fails as if it were not installed)
+    with pytest.raises(RuntimeError, match="make install.*mooncake-transfer-engine-non-cuda.*libibverbs1"):
+        start_transfer_engine("127.0.0.1", "cpu")
