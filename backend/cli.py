@@ -54,6 +54,9 @@ def _cmd_gateway(args) -> int:
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        prefill_urls=args.prefill,
+        decode_urls=args.decode,
+        allow_kv_transfer_params=args.allow_kv_transfer_params,
     )
     # On SIGTERM, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cancelled (which cancels them in Triton).
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -154,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default="auto",
                          help="split a thinking model's <think>...</think> into reasoning_content (default: read off "
                               "its chat template; none where it does not think)")
+    gateway.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                         help="disaggregated prefill: the gRPC URLs of the prefill Tritons (kv_producer engines); with "
+                              "--decode, the gateway is their proxy (docs/disaggregation.md)")
+    gateway.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                         help="the gRPC URLs of the decode Tritons (kv_consumer engines)")
+    gateway.add_argument("--allow-kv-transfer-params", action="store_true",
+                         help="pass a client's kv_transfer_params to the engine (for a proxy in front); else dropped")
     gateway.set_defaults(func=_cmd_gateway)
 
     ui = commands.add_parser("ui", help="Gradio chat UI (a client of the gateway)")

@@ -170,6 +170,18 @@ def test_an_unreachable_producer_means_the_prompt_is_computed_here(engines, monk
     assert_all_blocks_free(producer, consumer)
 
 
+def test_abort_before_the_pull_releases_the_producers_blocks(engines):
+    producer, consumer, _ = engines
+    params = prefill(producer, "p-never-pulled", prompt(55, 2 * BLOCK))
+    consumer.add_request("d-never-pulled", {"prompt_token_ids": prompt(55, 2 * BLOCK)},
+                         SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
+    consumer.abort_request("d-never-pulled")  # (still queued: no blocks, no claim yet)
+    expired = producer.kv_connector.stats.expired
+    settle(producer, consumer)
+    assert producer.kv_connector.stats.expired == expired  # released by the consumer, not by the timeout
+    assert_all_blocks_free(producer, consumer)
+
+
 def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
     producer, consumer, _ = engines
     ids = prompt(50, 4 * BLOCK)

@@ -23,7 +23,7 @@ from backend.engine import startup
 from backend.engine.executor import start_workers
 from backend.engine.input_processor import InputProcessor, PromptType
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.kv_transfer.connector import KVConnector, create_connector
+from backend.engine.kv_transfer.connector import KVConnector, TransferStats, create_connector
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.outputs import RequestOutput
@@ -69,6 +69,8 @@ class EngineStats:
     num_kv_blocks: int
     expert_load: list[int] = field(default_factory=list)  # MoE: (token, expert) pairs served per rank
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts made and accepted
+    kv_transfer: TransferStats | None = None  # with a KV connector: what it moved and held
+    num_transferring: int = 0  # requests whose blocks a transfer holds: being pulled here, or kept for a consumer
 
 
 class LLMEngine:
@@ -395,6 +397,8 @@ class LLMEngine:
             num_kv_blocks=self.kv.num_blocks,
             expert_load=self.model.expert_load(),
             spec_decode=None if self.drafter is None else self.drafter.stats.copy(),
+            kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.copy(),
+            num_transferring=len(self.scheduler.loading) + len(self.scheduler.sending),
         )
 
 

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from backend.gateway.client import TritonClient
 from backend.gateway.errors import ApiError
 from backend.gateway.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
+from backend.gateway.proxy import DisaggregatedClient
 from backend.gateway.reasoning import REASONING_PARSERS, reasoning_parser
 from backend.gateway.response_store import ResponseStore
 from backend.gateway.routes import COUNTED, ROUTES
@@ -41,6 +42,11 @@ class GatewaySettings:
     max_body_bytes: int = 1 << 20
     tool_call_parser: str = "auto"  # "auto" (read off the chat template) or one of TOOL_CALL_PARSERS
     reasoning_parser: str = "auto"  # "auto" (read off the tokenizer), "none" or one of REASONING_PARSERS
+    # disaggregated prefill (backend/gateway/proxy.py): with both, the gateway is the proxy of these Tritons'
+    # gRPC URLs and triton_url is unused
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    allow_kv_transfer_params: bool = False  # a client's kv_transfer_params reach the engine (a proxy in front)
 
 
 def _load_tokenizer(name_or_path: str):
@@ -75,13 +81,20 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
         raise ValueError(f"tool_call_parser must be auto or one of {', '.join(TOOL_CALL_PARSERS)}")
     if settings.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
         raise ValueError(f"reasoning_parser must be auto, none or one of {', '.join(REASONING_PARSERS)}")
+    if bool(settings.prefill_urls) != bool(settings.decode_urls):
+        raise ValueError("a disaggregated gateway needs both --prefill and --decode Triton URLs")
     tokenizer = tokenizer or _load_tokenizer(settings.tokenizer)
     serving = Serving(tokenizer, tool_call_parser=tool_call_parser(tokenizer, settings.tool_call_parser),
-                      reasoning_parser=reasoning_parser(tokenizer, settings.reasoning_parser))
+                      reasoning_parser=reasoning_parser(tokenizer, settings.reasoning_parser),
+                      allow_kv_transfer_params=settings.allow_kv_transfer_params)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        serving.triton = TritonClient(settings.triton_url, settings.triton_model)  # (grpc.aio: on the app's loop)
+        # (grpc.aio: made on the app's loop)
+        if settings.decode_urls:
+            serving.triton = DisaggregatedClient(settings.prefill_urls, settings.decode_urls, settings.triton_model)
+        else:
+            serving.triton = TritonClient(settings.triton_url, settings.triton_model)
         yield
         await serving.triton.close()
 

@@ -10,7 +10,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.triton.contract import ADMIN_PARAMETER, ENGINE_UNAVAILABLE, INVALID_REQUEST
+from backend.triton.contract import ADMIN_PARAMETER, ENGINE_UNAVAILABLE, INVALID_REQUEST, KV_TRANSFER_PARAMETER
 
 
 class TritonUnavailable(RuntimeError):
@@ -35,6 +35,8 @@ class Chunk:
     # prompt's token ids
     prompt_logprobs: list[dict | None] | None = None
     prompt_token_ids: list[int] | None = None
+    # a prefill on a kv_producer engine, in its final response: where a decode engine pulls its KV from
+    kv_transfer_params: dict | None = None
 
 
 def infer_input(name: str, value: bytes | bool):
@@ -64,9 +66,11 @@ class TritonClient:
         await self._client.close()
 
     async def generate(self, prompt: str, parameters: dict, stream: bool, logprobs: bool, request_id: str,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[Chunk]:
+                       prompt_token_ids: list[int] | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[Chunk]:
         """Responses of one request (the completion only, never the prompt); leaving the iteration early cancels
-        it on the server. With prompt_token_ids the engine gets those ids as they are, and `prompt` is their text."""
+        it on the server. With prompt_token_ids the engine gets those ids as they are, and `prompt` is their text.
+        kv_transfer_params travel as the Triton request parameter of that name (disaggregated prefill)."""
         inputs = [
             infer_input("text_input", prompt.encode()),
             infer_input("sampling_parameters", json.dumps(parameters).encode()),
@@ -82,8 +86,12 @@ class TritonClient:
             ids.set_data_from_numpy(np.array(prompt_token_ids, dtype=np.int64))
             inputs.append(ids)
 
+        request = {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+        if kv_transfer_params is not None:
+            request["parameters"] = {KV_TRANSFER_PARAMETER: json.dumps(kv_transfer_params)}
+
         async def requests():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+            yield request
 
         responses = self._client.stream_infer(inputs_iterator=requests())
         done = False
@@ -149,6 +157,7 @@ def _chunk(result) -> Chunk:
     logprobs = [json.loads(v) for v in strings("logprobs")]
     prompt_logprobs = json.loads(strings("prompt_logprobs")[0]) if "prompt_logprobs" in names else None
     prompt_ids = result.as_numpy("prompt_token_ids").tolist() if "prompt_token_ids" in names else None
+    transfer = json.loads(strings("kv_transfer_params")[0]) if "kv_transfer_params" in names else None
     # every sequence has a finish reason only in the last response of a request
     return Chunk(texts, counts, reasons, num_input, logprobs, final=bool(reasons) and all(reasons),
-                 prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids)
+                 prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids, kv_transfer_params=transfer)

@@ -110,6 +110,9 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: disaggregated prefill's hand-over, set by a proxy; honoured only by a gateway started with
+    # --allow-kv-transfer-params (backend/gateway/serving.py), else dropped
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -154,6 +157,7 @@ class SamplingFields(OpenAIModel):
             "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": constraint.model_dump(by_alias=True, exclude_none=True) if constraint else None,
+            "kv_transfer_params": self.kv_transfer_params,
         }
         values = {k: v for k, v in values.items() if v is not None}
         values["max_tokens"] = max_tokens  # None: until max_model_len

@@ -67,6 +67,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when its prompt_logprobs extra asks
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a prefill's hand-over to a decode engine
 
 
 class ChatChunkChoice(BaseModel):
@@ -102,6 +103,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a prefill's hand-over to a decode engine
 
 
 class ModelCard(BaseModel):

@@ -94,11 +94,10 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """200 when Triton's model is ready to serve (the one route open without the API key)."""
-    settings = request.app.state.settings
-    if await request.app.state.serving.triton.ready():
+    model, triton = request.app.state.settings.triton_model, request.app.state.serving.triton
+    if await triton.ready():
         return JSONResponse({"status": "ok"})
-    raise ApiError(503, f"Triton model {settings.triton_model!r} at {settings.triton_url} is not ready",
-                   "service_unavailable")
+    raise ApiError(503, f"Triton model {model!r} at {triton.url} is not ready", "service_unavailable")
 
 
 async def metrics(request: Request) -> Response:

@@ -46,6 +46,7 @@ class Gathered:
     num_input_tokens: int = 0
     prompt_logprobs: list[dict | None] | None = None  # (and the prompt's ids), when asked for
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict | None = None  # a prefill on a kv_producer engine: for the decode engine
 
 
 @dataclass
@@ -54,13 +55,20 @@ class Serving:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None  # one of REASONING_PARSERS; None: the output is all content
-    triton: TritonClient | None = None  # made in the app's lifespan: grpc.aio channels belong to its event loop
+    # made in the app's lifespan (grpc.aio channels belong to its event loop): a TritonClient, or the proxy's
+    # DisaggregatedClient (backend/gateway/proxy.py), which has its interface
+    triton: TritonClient | None = None
     max_model_len: int | None = None  # the engine's, once asked (backend/gateway/serving_tokenize.py)
+    # a client's kv_transfer_params reach the engine only when the gateway is told so (a proxy in front of it):
+    # they name other engines' blocks
+    allow_kv_transfer_params: bool = False
 
     async def start(self, endpoint: str, started: float, prompt: str, parameters: dict, stream: bool, logprobs: bool,
                     request_id: str, prompt_token_ids: list[int] | None = None) -> tuple[Chunk, AsyncIterator[Chunk]]:
         """Send the request to Triton and wait for its first response (the engine's verdict on it)."""
-        responses = self.triton.generate(prompt, parameters, stream, logprobs, request_id, prompt_token_ids)
+        transfer = parameters.pop("kv_transfer_params", None)
+        transfer = transfer if self.allow_kv_transfer_params else None
+        responses = self.triton.generate(prompt, parameters, stream, logprobs, request_id, prompt_token_ids, transfer)
         with triton_errors():
             try:
                 first = await anext(responses)
@@ -100,4 +108,5 @@ class Serving:
                     answer.logprobs[i] = (answer.logprobs[i] or []) + chunk.logprobs[i]
             if chunk.prompt_logprobs is not None:
                 answer.prompt_logprobs, answer.prompt_token_ids = chunk.prompt_logprobs, chunk.prompt_token_ids
+            answer.kv_transfer_params = chunk.kv_transfer_params or answer.kv_transfer_params
         return answer

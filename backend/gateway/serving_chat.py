@@ -63,7 +63,7 @@ async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, cons
                                   finish_reason=_finish_reason(whole.reasons[i], deltas[i].tools)))
     response = ChatCompletionResponse(id=rid, model=req.model, choices=choices,
                                       usage=Usage.of(whole.num_input_tokens, sum(whole.counts)),
-                                      prompt_logprobs=whole.prompt_logprobs)
+                                      prompt_logprobs=whole.prompt_logprobs, kv_transfer_params=whole.kv_transfer_params)
     return JSONResponse(response.model_dump())
 
 

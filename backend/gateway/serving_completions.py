@@ -33,9 +33,11 @@ async def answer(serving: Serving, req: CompletionRequest, started: float) -> Re
     except ExceptionGroup as failed:
         raise failed.exceptions[0] from None
     answers = [t.result() for t in tasks]
-    choices = [c.model_copy(update={"index": k * req.n + c.index}) for k, (cs, _) in enumerate(answers) for c in cs]
-    usage = Usage.of(sum(u.prompt_tokens for _, u in answers), sum(u.completion_tokens for _, u in answers))
-    return JSONResponse(CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage).model_dump())
+    choices = [c.model_copy(update={"index": k * req.n + c.index}) for k, (cs, _, _) in enumerate(answers) for c in cs]
+    usage = Usage.of(sum(u.prompt_tokens for _, u, _ in answers), sum(u.completion_tokens for _, u, _ in answers))
+    transfer = answers[0][2] if len(answers) == 1 else None  # (a prefill's hand-over: one prompt)
+    return JSONResponse(CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage,
+                                           kv_transfer_params=transfer).model_dump())
 
 
 def _prompt_text(serving: Serving, prompt: str | list[int]) -> tuple[str, list[int] | None]:
@@ -45,8 +47,8 @@ def _prompt_text(serving: Serving, prompt: str | list[int]) -> tuple[str, list[i
 
 
 async def _complete(serving: Serving, req: CompletionRequest, prompt: str | list[int], constraint, started: float,
-                    rid: str) -> tuple[list[CompletionChoice], Usage]:
-    """One prompt's choices (indexed from 0) and usage."""
+                    rid: str) -> tuple[list[CompletionChoice], Usage, dict | None]:
+    """One prompt's choices (indexed from 0), usage, and kv_transfer_params (a prefill's, on a kv_producer)."""
     prompt, ids = _prompt_text(serving, prompt)
     chunk, responses = await serving.start("completions", started, prompt, req.engine_parameters(constraint),
                                            False, req.logprobs is not None, rid, ids)
@@ -63,7 +65,7 @@ async def _complete(serving: Serving, req: CompletionRequest, prompt: str | list
         choices.append(CompletionChoice(index=i, text=echo + (whole.texts[i] if generated else ""),
                                         finish_reason=_finish_reason(whole.reasons[i], generated), logprobs=logprobs,
                                         prompt_logprobs=_trimmed(whole.prompt_logprobs, req.prompt_logprobs)))
-    return choices, Usage.of(whole.num_input_tokens, sum(whole.counts) if generated else 0)
+    return choices, Usage.of(whole.num_input_tokens, sum(whole.counts) if generated else 0), whole.kv_transfer_params
 
 
 async def _events(serving: Serving, req: CompletionRequest, rid: str, prompt: str, chunk,

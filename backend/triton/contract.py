@@ -53,7 +53,14 @@ OUTPUTS = [
     # the prompt tokens' logprobs as JSON, in vLLM's shape (null for the first token), and the prompt's token ids
     {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
     {"name": "prompt_token_ids", "data_type": "TYPE_INT64", "dims": [-1]},
+    # npu-llm's extension, in the final response of a prefill on a kv_producer engine: the kv_transfer_params (JSON)
+    # a decode engine needs to pull its KV (docs/disaggregation.md)
+    {"name": "kv_transfer_params", "data_type": "TYPE_STRING", "dims": [1]},
 ]
+
+# The Triton request parameter that carries a request's kv_transfer_params (JSON text or object), set by the
+# disaggregation proxy (backend/gateway/proxy.py), as vLLM's proxy sets the request field of that name.
+KV_TRANSFER_PARAMETER = "kv_transfer_params"
 
 
 @dataclass
@@ -110,17 +117,12 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
 
     # Sampling parameters come as a JSON string input, or (generate endpoint) as request parameters.
     raw = _scalar(inputs.get("sampling_parameters"))
-    source = "sampling_parameters"
+    values = _json_object(raw, "sampling_parameters") if raw is not None else {}
+    parameters = _json_object(request_parameters or "{}", "request parameters")
     if raw is None:
-        raw, source = request_parameters or "{}", "request parameters"
-    try:
-        values = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{source} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ValueError(f"{source} is nested too deeply") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{source} must be a JSON object, got {type(values).__name__}")
+        values = parameters
+    elif KV_TRANSFER_PARAMETER in parameters:
+        values[KV_TRANSFER_PARAMETER] = parameters[KV_TRANSFER_PARAMETER]
 
     stream_input = _scalar(inputs.get("stream"))
     stream_param = values.pop("stream", False)
@@ -139,6 +141,18 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
     except ValueError as e:  # pydantic's message names each offending field
         raise ValueError(f"invalid sampling parameters: {e}") from None
     return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids, **flags)
+
+
+def _json_object(raw: str | bytes, source: str) -> dict:
+    try:
+        values = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{source} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{source} is nested too deeply") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{source} must be a JSON object, got {type(values).__name__}")
+    return values
 
 
 # guided_decoding.backend values vllm_backend lets through (it maps them all to xgrammar, as we do)
@@ -209,6 +223,8 @@ def response_tensors(parsed: ParsedRequest, output: RequestOutput, sent_tokens: 
         scored = [None] + [_entry(position) for position in output.prompt_logprobs[1:]]
         tensors["prompt_logprobs"] = np.array([json.dumps(scored).encode()], dtype=np.object_)
         tensors["prompt_token_ids"] = np.array(output.prompt_token_ids, dtype=np.int64)
+    if output.kv_transfer_params is not None:
+        tensors["kv_transfer_params"] = np.array([json.dumps(output.kv_transfer_params).encode()], dtype=np.object_)
     sent_tokens[:] = counts
     return tensors
 

@@ -34,7 +34,13 @@ def instance_place(instance_name: str, model_name: str, instance_groups: list[di
 
 def engine_config(config: EngineConfig, index: int, device_type: str) -> EngineConfig:
     """Engine `index`'s config: its own tensor_parallel_size devices after the first one config.device names.
-    On the CPU every engine runs on the cpu (sharing its cores)."""
+    On the CPU every engine runs on the cpu (sharing its cores). With kv_transfer_config, each engine is a transfer
+    endpoint of its own: side channel on kv_port + index, engine_id suffixed "-index" (as vllm-ascend offsets its
+    ports by data-parallel rank)."""
+    if config.kv_transfer_config is not None and index > 0:
+        transfer = config.kv_transfer_config
+        config = dataclasses.replace(config, kv_transfer_config={
+            **transfer, "kv_port": transfer["kv_port"] + index, "engine_id": f"{transfer['engine_id']}-{index}"})
     if device_type == "cpu":
         return config
     _, _, first = config.device.partition(":")

@@ -145,6 +145,19 @@ class VllmMetrics:
         }
         self._spec: dict[str, object] = {}
         self._spec_seen: dict[str, int] = {}
+        # disaggregated prefill, made once the engine reports a KV connector. vLLM's own transfer metrics are its
+        # connectors' (vllm:nixl_*), so these carry npu-llm's prefix.
+        self._transfer_families = {
+            "bytes": "Bytes of KV pulled from prefill engines.",
+            "blocks": "KV blocks pulled from prefill engines.",
+            "seconds": "Seconds spent pulling KV (claim, read, release), summed over pulls.",
+            "pulls": "Requests whose prompt KV was pulled from a prefill engine.",
+            "failures": "KV pulls that failed (the prompt recomputed here, or the claim refused).",
+            "expired": "Finished prefills whose blocks were freed by the timeout, no consumer having pulled them.",
+        }
+        self._transfer: dict[str, object] = {}
+        self._transfer_seen: dict[str, float] = {}
+        self._transferring = None
         self._labels = labels
         self._stats_fn = stats_fn
         self._take_iteration_tokens = take_iteration_tokens
@@ -182,6 +195,23 @@ class VllmMetrics:
         self._count_expert_pairs(stats.expert_load)
         if stats.spec_decode is not None:
             self._count_spec_decode(stats.spec_decode)
+        if stats.kv_transfer is not None:
+            self._count_kv_transfer(stats.kv_transfer, stats.num_transferring)
+
+    def _count_kv_transfer(self, transfer, num_transferring: int) -> None:
+        if not self._transfer:
+            for name, description in self._transfer_families.items():
+                family = self._new_family(f"npu_llm:kv_transfer_{name}_total", description, "COUNTER")
+                self._transfer[name] = family.Metric(labels=self._labels)
+            self._transferring = self._new_family(
+                "npu_llm:kv_transfer_requests", "Requests whose KV blocks a transfer holds (pulled here, or kept "
+                "for a decode engine).", "GAUGE").Metric(labels=self._labels)
+        for name, metric in self._transfer.items():
+            now = getattr(transfer, name)
+            if now > self._transfer_seen.get(name, 0):
+                metric.increment(now - self._transfer_seen.get(name, 0))
+                self._transfer_seen[name] = now
+        self._transferring.set(num_transferring)
 
     def _count_spec_decode(self, spec) -> None:
         if not self._spec:

@@ -52,10 +52,26 @@ class FinishedTransfers:
     failed: dict[str, BaseException] = field(default_factory=dict)
 
 
+@dataclass
+class TransferStats:
+    """What a connector moved and held, for the npu_llm:kv_transfer_* metrics (backend/triton/metrics.py)."""
+
+    bytes: int = 0  # (consumer) pulled
+    blocks: int = 0
+    seconds: float = 0.0  # summed over pulls: claim, read and release
+    pulls: int = 0
+    failures: int = 0  # pulls that failed (recomputed here, or refused by the producer)
+    expired: int = 0  # (producer) held blocks freed by abort_timeout_s, never released by a consumer
+
+    def copy(self) -> "TransferStats":
+        return TransferStats(**vars(self))
+
+
 class KVConnector(ABC):
     def __init__(self, config: KVTransferConfig, block_size: int):
         self.config = config
         self.block_size = block_size
+        self.stats = TransferStats()  # (updated under the connector's own lock where threads share it)
 
     # -- scheduler side ---------------------------------------------------------------------------
 

@@ -45,21 +45,6 @@ class TransferFailed(RuntimeError):
 
 
 @dataclass
-class TransferStats:
-    """What the consumer pulled and the producer held: vllm:kv_transfer_* counters (backend/triton/metrics.py)."""
-
-    bytes: int = 0
-    blocks: int = 0
-    seconds: float = 0.0  # summed over pulls: claim, read and release
-    pulls: int = 0
-    failures: int = 0  # pulls that failed (recomputed or refused)
-    expired: int = 0  # (producer) held blocks freed by abort_timeout_s, never released by a consumer
-
-    def copy(self) -> "TransferStats":
-        return TransferStats(**vars(self))
-
-
-@dataclass
 class _Held:
     """A finished prefill's blocks, kept for the consumer that claims them."""
 
@@ -93,7 +78,6 @@ class MooncakeConnectorV1(KVConnector):
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="npu-llm-kv-load")
         self._server: SideChannelServer | None = None
-        self.stats = TransferStats()
 
     # -- scheduler side ---------------------------------------------------------------------------
 
@@ -115,6 +99,9 @@ class MooncakeConnectorV1(KVConnector):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params
+        if params is not None and params.do_remote_prefill:  # ended before its pull began: the producer may free
+            self._pool.submit(self._release_unpulled, params)
+            return False, None
         if params is None or not params.do_remote_decode or request.finish_reason == "abort":
             return False, None
         blocks = list(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)])
@@ -241,6 +228,12 @@ class MooncakeConnectorV1(KVConnector):
             self.stats.bytes += num_bytes
             self.stats.seconds += time.perf_counter() - begin
         self._loaded.put((load.request_id, None))
+
+    def _release_unpulled(self, remote) -> None:
+        try:
+            self._call(remote.remote_host, remote.remote_port, {"op": "release", "request_id": remote.remote_request_id})
+        except Exception as e:  # (the producer's abort_timeout_s frees them anyway)
+            log.warning("could not release remote request %s's blocks: %s", remote.remote_request_id, e)
 
     def _call(self, host: str, port: int, request: dict) -> dict:
         try:

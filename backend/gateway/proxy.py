@@ -1,0 +1,101 @@
+"""The gateway as the proxy of a disaggregated deployment (xPyD), as vLLM's and vllm-ascend's proxies do it: each
+request is prefilled on a prefill server (a Triton whose engine is a kv_producer) with max_tokens 1, then decoded on
+a decode server (a kv_consumer) given the kv_transfer_params the prefill returned; the decode server pulls the
+prompt's KV and answers, and its answer is what the client gets (docs/disaggregation.md).
+
+DisaggregatedClient has TritonClient's interface, so every endpoint works unchanged. Servers are picked by load: the
+fewest requests this gateway has in flight on them (it is their only client in this layout), ties in turn.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+from backend.gateway.client import Chunk, TritonClient, TritonUnavailable
+
+log = logging.getLogger(__name__)
+
+# What a prefill asks for: one token (which the decode server samples again, as vLLM's consumer does), the prompt's
+# blocks kept for a consumer.
+PREFILL_PARAMETERS = {"max_tokens": 1}
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+class ServerPool:
+    """The servers of one role, picked by load: the fewest requests this gateway has in flight on them, equals in a
+    turn that moves on at each pick."""
+
+    def __init__(self, urls: list[str], model: str):
+        self.clients = [TritonClient(url, model) for url in urls]
+        self.in_flight = {client.url: 0 for client in self.clients}
+        self._turn = itertools.count()
+
+    def by_load(self) -> list[TritonClient]:
+        start = next(self._turn) % len(self.clients)
+        rotated = self.clients[start:] + self.clients[:start]
+        return sorted(rotated, key=lambda client: self.in_flight[client.url])  # (stable: equals keep the turn)
+
+    @contextlib.contextmanager
+    def busy(self, client: TritonClient):
+        self.in_flight[client.url] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[client.url] -= 1
+
+
+class DisaggregatedClient:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], model: str):
+        if not prefill_urls or not decode_urls:
+            raise ValueError("a disaggregated gateway needs at least one --prefill and one --decode Triton URL")
+        self.url = f"prefill {', '.join(prefill_urls)}; decode {', '.join(decode_urls)}"
+        self.prefill, self.decode = ServerPool(prefill_urls, model), ServerPool(decode_urls, model)
+
+    async def ready(self, timeout: float = 2.0) -> bool:
+        """Every decode server is ready, and a prefill server (without one, decode servers prefill themselves)."""
+        decode = [await client.ready(timeout) for client in self.decode.clients]
+        prefill = [await client.ready(timeout) for client in self.prefill.clients]
+        return all(decode) and any(prefill)
+
+    async def close(self) -> None:
+        for client in self.prefill.clients + self.decode.clients:
+            await client.close()
+
+    async def generate(self, prompt: str, parameters: dict, stream: bool, logprobs: bool, request_id: str,
+                       prompt_token_ids: list[int] | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[Chunk]:
+        """The decode server's responses, after a prefill elsewhere. A request the consumer side cannot take from a
+        remote prefill (several samples, prompt logprobs) is decoded where it is prefilled: on a decode server."""
+        if kv_transfer_params is None and parameters.get("n", 1) == 1 and parameters.get("prompt_logprobs") is None:
+            kv_transfer_params = await self._prefill(prompt, request_id, prompt_token_ids)
+        decode = self.decode.by_load()[0]
+        with self.decode.busy(decode):
+            async with contextlib.aclosing(decode.generate(prompt, parameters, stream, logprobs, request_id,
+                                                           prompt_token_ids, kv_transfer_params)) as responses:
+                async for chunk in responses:
+                    yield chunk
+
+    async def _prefill(self, prompt: str, request_id: str, prompt_token_ids: list[int] | None) -> dict | None:
+        """The kv_transfer_params of the prompt's prefill, on the least loaded prefill server that answers; None
+        (the decode server prefills) when none does. A request the prefill server rejects is rejected here."""
+        for client in self.prefill.by_load():
+            try:
+                with self.prefill.busy(client):
+                    async with contextlib.aclosing(client.generate(prompt, PREFILL_PARAMETERS, False, False,
+                                                                   f"{request_id}-prefill", prompt_token_ids,
+                                                                   REMOTE_DECODE)) as responses:
+                        async for chunk in responses:
+                            if chunk.final:
+                                return chunk.kv_transfer_params
+            except TritonUnavailable as e:
+                log.warning("prefill server %s is unavailable (%s); trying the next", client.url, e)
+        log.warning("no prefill server answered: request %s is prefilled on its decode server", request_id)
+        return None
+
+    async def admin(self, action: str) -> dict:
+        """engine_info from a decode server (theirs is the limit a client meets); a profile action on every server."""
+        if action == "engine_info":
+            return await self.decode.clients[0].admin(action)
+        return {client.url: await client.admin(action) for client in self.prefill.clients + self.decode.clients}
