@@ -168,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ui = commands.add_parser("ui", help="Gradio chat UI (a client of the gateway)")
     ui.add_argument("--gateway-url", default="http://127.0.0.1:9000")
-    ui.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
+    ui.add_argument("--metrics-url", nargs="+", default=["http://127.0.0.1:8002/metrics"], metavar="URL",
+                    help="Triton's metrics endpoint (several: the decode servers of a disaggregated deployment)")
+    ui.add_argument("--prefill-metrics-url", nargs="+", default=[], metavar="URL",
+                    help="disaggregated: the prefill servers' metrics endpoints, shown as a role of their own")
     ui.add_argument("--api-key", default=None, help="the gateway's API key, if it has one (or env NPU_LLM_API_KEY)")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=7860)
@@ -179,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="where the gateway and the UI listen")
     up.add_argument("--gateway-port", type=int, default=9000)
     up.add_argument("--ui-port", type=int, default=7860)
+    up.add_argument("--disaggregate", metavar="xPyD", default=None,
+                    help="prefill/decode disaggregation on this machine: x prefill and y decode Tritons (e.g. 1P1D), "
+                         "the KV moved by Mooncake, the gateway as their proxy (docs/disaggregation.md)")
+    up.add_argument("--kv-port", type=int, default=14579,
+                    help="with --disaggregate: the first server's KV side channel (server k: + 10 k)")
     up.set_defaults(func=_cmd_up)
 
     loadtest = commands.add_parser("loadtest", help="locust load test with a TTFT/ITL/TPOT/throughput report")

@@ -1,5 +1,8 @@
 """`npu-llm up`: Triton, the gateway and the UI from one command, each started once the one below is ready.
 
+With --disaggregate xPyD, x prefill Tritons (kv_producer engines) and y decode Tritons (kv_consumer), each on ports
+of its own, and the gateway as their proxy (docs/disaggregation.md).
+
 Children run in their own sessions, so the terminal's Ctrl-C reaches only us; we stop them in
 reverse order (UI, gateway, Triton), give each a grace period, then kill what is left of its
 process group (the Triton python stub included), so no process or port outlives us.
@@ -7,13 +10,62 @@ process group (the Triton python stub included), so no process or port outlives 
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 
 from backend.serve import checked_engine_args, client_host, start_server, stop_process_group, wait_http, wait_ready
+
+# Server k of a disaggregated layout listens on the given ports + k * PORT_STRIDE, its KV side channel on
+# --kv-port + k * PORT_STRIDE (room for a server's data-parallel engines, kv_port + instance each).
+PORT_STRIDE = 10
+
+
+@dataclass
+class TritonServer:
+    """One Triton of the stack: its role ("serve", or "prefill" / "decode" when disaggregated), ports and engine
+    arguments."""
+
+    role: str
+    name: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    engine_args: dict
+
+    def url(self, host: str, port: int) -> str:
+        return f"{client_host(host)}:{port}"
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """"2P1D" -> (2, 1): prefill and decode servers."""
+    match = re.fullmatch(r"(\d+)P(\d+)D", text.strip().upper())
+    if not match or min(int(match[1]), int(match[2])) < 1:
+        raise ValueError(f"--disaggregate takes xPyD with x, y >= 1 (e.g. 1P1D, 2P1D), got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def plan_servers(args, engine_args: dict) -> list[TritonServer]:
+    """The Tritons to start: one, or a disaggregated layout's prefill servers then decode servers."""
+    ports = (args.http_port, args.grpc_port, args.metrics_port)
+    layout = getattr(args, "disaggregate", None)
+    if not layout:
+        return [TritonServer("serve", "triton", *ports, engine_args)]
+    num_prefill, num_decode = parse_layout(layout)
+    roles = [("prefill", "kv_producer", i) for i in range(num_prefill)] + \
+            [("decode", "kv_consumer", i) for i in range(num_decode)]
+    given = engine_args.get("kv_transfer_config") or {}  # a user's whole config (its abort_timeout_s, ...)
+    servers = []
+    for k, (role, kv_role, i) in enumerate(roles):
+        transfer = {"kv_connector": "MooncakeConnectorV1", "kv_ip": client_host(args.triton_host), **given,
+                    "kv_role": kv_role, "kv_port": args.kv_port + k * PORT_STRIDE, "engine_id": f"{role}-{i}"}
+        servers.append(TritonServer(role, f"{role}-{i}", *(p + k * PORT_STRIDE for p in ports),
+                                    {**engine_args, "kv_transfer_config": transfer}))
+    return servers
 
 
 def _spawn(*args: str) -> subprocess.Popen:
@@ -26,34 +78,51 @@ def running_stack(args, with_ui: bool = True, stop: threading.Event | None = Non
     all on exit.
     A set `stop` cuts the start short (the caller sees it set)."""
     repository, engine_args, model = checked_engine_args(args)
+    servers = plan_servers(args, engine_args)
     children: list[subprocess.Popen] = []
-    work_dir = None
+    work_dirs = []
     try:
-        triton, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
-                                        args.triton_arg or [], new_session=True, host=args.triton_host)
-        children.append(triton)
-        wait_ready(args.http_port, triton, host=args.triton_host, stop=stop)
+        for server in servers:  # (all at once: each loads its model while the others do)
+            triton, work_dir = start_server(repository, server.engine_args, server.http_port, server.grpc_port,
+                                            server.metrics_port, args.triton_arg or [], new_session=True,
+                                            host=args.triton_host)
+            children.append(triton)
+            work_dirs.append(work_dir)
+        for server, triton in zip(servers, children):
+            if not (stop and stop.is_set()):
+                wait_ready(server.http_port, triton, host=args.triton_host, stop=stop)
         if not (stop and stop.is_set()):
-            children += _start_front(args, model.config, with_ui)
+            children += _start_front(args, model.config, with_ui, servers)
         yield children, model
     finally:
         for child in reversed(children):
             stop_process_group(child)
-        if work_dir is not None:
+        for work_dir in work_dirs:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _start_front(args, config, with_ui: bool) -> list[subprocess.Popen]:
-    """The gateway (and the UI) in front of a ready Triton, each started once the one below answers."""
-    triton, front = client_host(args.triton_host), client_host(args.host)
-    gateway = _spawn("gateway", "--triton-url", f"{triton}:{args.grpc_port}", "--host", args.host,
-                     "--port", str(args.gateway_port), "--tokenizer", config.model)
+def _start_front(args, config, with_ui: bool, servers: list[TritonServer]) -> list[subprocess.Popen]:
+    """The gateway (and the UI) in front of the ready Tritons, each started once the one below answers."""
+    host, front = args.triton_host, client_host(args.host)
+
+    def urls(role: str, port: str, form: str = "{}") -> list[str]:
+        return [form.format(s.url(host, getattr(s, port))) for s in servers if s.role == role]
+
+    if len(servers) == 1:
+        upstream = ["--triton-url", servers[0].url(host, servers[0].grpc_port)]
+        metrics = ["--metrics-url", f"http://{servers[0].url(host, servers[0].metrics_port)}/metrics"]
+    else:
+        upstream = ["--prefill", *urls("prefill", "grpc_port"), "--decode", *urls("decode", "grpc_port")]
+        metrics = ["--metrics-url", *urls("decode", "metrics_port", "http://{}/metrics"),
+                   "--prefill-metrics-url", *urls("prefill", "metrics_port", "http://{}/metrics")]
+    gateway = _spawn("gateway", *upstream, "--host", args.host, "--port", str(args.gateway_port),
+                     "--tokenizer", config.model)
     started = [gateway]
     try:
         wait_http(f"http://{front}:{args.gateway_port}/health", gateway, "gateway", timeout=120)
         if with_ui:
             ui = _spawn("ui", "--gateway-url", f"http://{front}:{args.gateway_port}", "--host", args.host,
-                        "--metrics-url", f"http://{triton}:{args.metrics_port}/metrics", "--port", str(args.ui_port))
+                        *metrics, "--port", str(args.ui_port))
             started.append(ui)
             wait_http(f"http://{front}:{args.ui_port}/", ui, "ui", timeout=120)
     except BaseException:
@@ -70,13 +139,17 @@ def up(args) -> int:
     with running_stack(args, stop=stop) as (children, model):
         if stop.is_set():
             return 130
-        triton = client_host(args.triton_host)
-        print(f"npu-llm is up ({model.config.model}, {model.layout}):\n"
-              f"  chat UI      http://{args.host}:{args.ui_port}\n"
-              f"  OpenAI API   http://{args.host}:{args.gateway_port}/v1\n"
-              f"  Triton       http://{triton}:{args.http_port} (gRPC {triton}:{args.grpc_port}, "
-              f"metrics http://{triton}:{args.metrics_port}/metrics)\n"
-              "Ctrl-C stops all three.", flush=True)
+        servers = plan_servers(args, {})
+        layout = model.layout if len(servers) == 1 else f"{args.disaggregate.upper()}, each {model.layout}"
+        lines = [f"npu-llm is up ({model.config.model}, {layout}):",
+                 f"  chat UI      http://{args.host}:{args.ui_port}",
+                 f"  OpenAI API   http://{args.host}:{args.gateway_port}/v1"]
+        for server in servers:
+            title = "Triton" if server.role == "serve" else server.name
+            lines.append(f"  {title:<12} http://{server.url(args.triton_host, server.http_port)} "
+                         f"(gRPC {server.url(args.triton_host, server.grpc_port)}, "
+                         f"metrics http://{server.url(args.triton_host, server.metrics_port)}/metrics)")
+        print("\n".join(lines + ["Ctrl-C stops them all."]), flush=True)
         while not stop.wait(0.5):
             exited = [c for c in children if c.poll() is not None]
             if exited:

@@ -115,6 +115,16 @@ def test_2p1d_answers_equal_a_colocated_engine(stack, reference_llm):
     all_blocks_free(*prefill, decode)
 
 
+def test_the_ui_server_panel_shows_both_roles(stack):
+    from ui.server_metrics import ServerMetrics
+
+    prefill, decode, _, _ = stack
+    panel, _, _ = ServerMetrics([decode.metrics_url], [p.metrics_url for p in prefill]).refresh()
+    assert "**Decode** **KV cache**" in panel and "**Prefill** 2 server(s): **KV cache**" in panel, panel
+    pulled = float(panel.split("**KV pulled** ")[1].split(" MiB")[0])
+    assert pulled == round(decode.metric("npu_llm:kv_transfer_bytes_total") / 2**20, 1) > 0
+
+
 def test_disconnect_storm_leaves_no_block_held(stack):
     """Clients leaving at every moment: during the prefill, between prefill and decode, mid-stream."""
     prefill, decode, proxy, _ = stack

@@ -18,7 +18,7 @@ def _plot(app: gr.Blocks, elem_id: str = "throughput-plot") -> gr.LinePlot:
 def test_throughput_is_temporal_against_quantitative_from_zero():
     plot = _plot(build_app(UISettings()))
     assert plot.y_lim == [0, None] and plot.sort is None
-    metrics = ServerMetrics(UISettings().metrics_url)
+    metrics = ServerMetrics(UISettings().metrics_urls)
     assert plot.postprocess(metrics.throughput()).datatypes == {"time": "temporal", "tokens/s": "quantitative"}
 
     now = time.time()
@@ -35,7 +35,7 @@ def test_throughput_is_temporal_against_quantitative_from_zero():
 def test_kv_cache_usage_is_temporal_against_percent_from_0_to_100():
     plot = _plot(build_app(UISettings()), "kv-cache-plot")
     assert plot.y_lim == [0, 100] and plot.sort is None
-    metrics = ServerMetrics(UISettings().metrics_url)
+    metrics = ServerMetrics(UISettings().metrics_urls)
     assert plot.postprocess(metrics.kv_cache()).datatypes == {"time": "temporal", "KV cache %": "quantitative"}
     now = time.time()
     metrics.samples.extend([Sample(now - 3, 0.0, 0.25), Sample(now, 0.0, 0.5)])

@@ -157,3 +157,63 @@ def test_up_from_cold_serves_the_first_request_as_fast_as_later_ones_and_sigterm
         assert process.returncode == 0
     finally:
         _stop_tree(process)
+
+
+def _free_strided(servers: int) -> int:
+    """A port p with p + k * PORT_STRIDE free for each of `servers` servers (up's layout of a disaggregated stack)."""
+    from backend.up import PORT_STRIDE
+
+    while True:
+        base = free_port()
+        if all(not _port_open(base + k * PORT_STRIDE) for k in range(servers)):
+            return base
+
+
+def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tmp_path):
+    import httpx
+
+    from backend.up import PORT_STRIDE
+    from tests.conftest import TritonMetrics
+
+    ports = {name: _free_strided(2) for name in ("http", "grpc", "metrics", "kv")}
+    front = {name: free_port() for name in ("gateway", "ui")}
+    log_path = tmp_path / "up.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", "up", "--disaggregate", "1P1D", "--http-port", str(ports["http"]),
+             "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
+             "--gateway-port", str(front["gateway"]), "--ui-port", str(front["ui"]),
+             "--engine-arg", "kv_cache_memory_gb=0.25", "--kv-port", str(ports["kv"])],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while "npu-llm is up" not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the stack did not come up"
+            time.sleep(0.5)
+        ready = log_path.read_text()
+        assert "1P1D" in ready and "prefill-0" in ready and "decode-0" in ready, ready[-2000:]
+        gateway = f"http://127.0.0.1:{front['gateway']}"
+        [model] = [m["id"] for m in httpx.get(f"{gateway}/v1/models", timeout=10).json()["data"]]
+        response = httpx.post(f"{gateway}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert response.status_code == 200 and response.json()["choices"][0]["text"], response.text
+        decode = TritonMetrics(f"http://127.0.0.1:{ports['metrics'] + PORT_STRIDE}/metrics")
+        assert decode.wait_metric("npu_llm:kv_transfer_pulls_total", lambda v: v >= 1) == 1  # prefilled apart
+        with urllib.request.urlopen(f"http://127.0.0.1:{front['ui']}/", timeout=10) as page:
+            assert page.status == 200
+
+        family = _descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        process.wait(15)
+        every_port = [p + k * PORT_STRIDE for p in ports.values() for k in range(2)] + list(front.values())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (any(_port_open(p) for p in every_port)
+                                               or any(Path(f"/proc/{pid}").exists() for pid in family)):
+            time.sleep(0.2)
+        assert not [p for p in every_port if _port_open(p)]
+        assert not [pid for pid in family if Path(f"/proc/{pid}").exists()
+                    and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+        assert process.returncode == 0
+    finally:
+        _stop_tree(process)

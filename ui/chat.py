@@ -19,7 +19,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gradio as gr
@@ -45,8 +45,10 @@ SKIP = gr.skip()  # (an output left as it is)
 @dataclass
 class UISettings:
     gateway_url: str = "http://127.0.0.1:9000"
-    metrics_url: str = "http://127.0.0.1:8002/metrics"
+    # Triton's /metrics of the servers that answer (several are summed: decode servers of a disaggregated deployment)
+    metrics_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8002/metrics"])
     api_key: str | None = None
+    prefill_metrics_urls: list[str] = field(default_factory=list)  # disaggregated: the prefill servers' /metrics
 
 
 class Session:
@@ -94,7 +96,7 @@ def _settings(values) -> dict:
 
 def build_app(settings: UISettings) -> gr.Blocks:
     client = ChatClient(settings.gateway_url, settings.api_key)
-    metrics = ServerMetrics(settings.metrics_url)
+    metrics = ServerMetrics(settings.metrics_urls, settings.prefill_metrics_urls)
     # (small files, left to the system's temporary-file cleaning: Gradio serves copies from its own cache)
     exports = Path(tempfile.mkdtemp(prefix="npu-llm-exports-"))
 
@@ -368,6 +370,6 @@ def _file_name(title: str) -> str:
 def run_ui(args) -> int:
     """`npu-llm ui` (flags in backend/cli.py)."""
     api_key = args.api_key or os.environ.get("NPU_LLM_API_KEY") or None  # the gateway's, read from the same variable
-    app = build_app(UISettings(args.gateway_url, args.metrics_url, api_key))
+    app = build_app(UISettings(args.gateway_url, args.metrics_url, api_key, args.prefill_metrics_url))
     app.queue().launch(server_name=args.host, server_port=args.port, show_error=False, quiet=True)
     return 0

@@ -26,32 +26,26 @@ class Sample(NamedTuple):
 
 
 class ServerMetrics:
-    def __init__(self, metrics_url: str):
-        self.metrics_url = metrics_url
+    """The servers that answer the chat (several: decode servers of a disaggregated deployment, summed), and, where
+    prefill runs apart, the prefill servers, shown as a role of their own."""
+
+    def __init__(self, metrics_urls: list[str], prefill_metrics_urls: list[str] = ()):
+        self.metrics_urls = list(metrics_urls)
+        self.prefill_metrics_urls = list(prefill_metrics_urls)
         self.samples: deque[Sample] = deque()
         self._lock = threading.Lock()  # (each page's timer refreshes from a worker thread of its own)
 
     def refresh(self) -> tuple[str, pd.DataFrame, pd.DataFrame]:
         """The panel's markdown, the throughput frame and the KV-cache frame, sampled now."""
         try:
-            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
-                families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+            served = Scrape(self.metrics_urls)
+            prefill = Scrape(self.prefill_metrics_urls) if self.prefill_metrics_urls else None
         except OSError as e:
             reason = getattr(e, "reason", e)  # (a URLError's own, without its wrapping)
-            panel = f"**Server** unreachable: no metrics at {self.metrics_url} ({reason})"
+            panel = f"**Server** unreachable: no metrics at {getattr(e, 'url', '?')} ({reason})"
             return panel, self.throughput(), self.kv_cache()
 
-        def values(name: str) -> list[float]:  # one per engine (data parallel: one per Triton instance)
-            family = families.get(name)
-            return [sample.value for sample in family.samples] if family else []
-
-        def total(name: str) -> float:
-            return sum(values(name))
-
-        def mean(name: str) -> float:
-            return total(name) / max(1, len(values(name)))
-
-        engines = families["npu_llm:engine_info"].samples if "npu_llm:engine_info" in families else []
+        engines = served.samples.get("npu_llm:engine_info", [])
         labels = engines[0].labels if engines else {}
         devices = ", ".join(engine.labels.get("device", "?") for engine in engines) or "?"
         now = time.time()
@@ -59,16 +53,18 @@ class ServerMetrics:
             # Every open page refreshes on its own timer: samples closer than half a period would be rates of noise.
             if not self.samples or now - self.samples[-1].time >= REFRESH_S / 2:
                 # (the parser strips _total from counters)
-                self.samples.append(Sample(now, total("vllm:generation_tokens"), mean("vllm:kv_cache_usage_perc")))
+                self.samples.append(Sample(now, served.total("vllm:generation_tokens"),
+                                           served.mean("vllm:kv_cache_usage_perc")))
             while self.samples and self.samples[0].time < now - HISTORY_S:
                 self.samples.popleft()
         panel = (
             f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
-            f"**KV cache** {mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
-            f"**Running** {total('vllm:num_requests_running'):.0f} · "
-            f"**Waiting** {total('vllm:num_requests_waiting'):.0f} · "
-            f"**Prefix-cache hit rate** {mean('vllm:prefix_cache_hit_rate') * 100:.0f}%"
+            + ("**Decode** " if prefill else "") + served.load()
+            + f" · **Prefix-cache hit rate** {served.mean('vllm:prefix_cache_hit_rate') * 100:.0f}%"
         )
+        if prefill:  # (disaggregated: the prefill servers, and the KV pulled from them)
+            panel += (f"  \n**Prefill** {len(self.prefill_metrics_urls)} server(s): {prefill.load()} · "
+                      f"**KV pulled** {served.total('npu_llm:kv_transfer_bytes') / 2**20:.1f} MiB")
         return panel, self.throughput(), self.kv_cache()
 
     def throughput(self) -> pd.DataFrame:
@@ -87,6 +83,38 @@ class ServerMetrics:
     def _points(self) -> list[Sample]:
         with self._lock:
             return list(self.samples)
+
+
+class Scrape:
+    """Every sample of every server at some URLs, by metric name (one value per engine: data parallel has one per
+    Triton instance, a role several servers)."""
+
+    def __init__(self, urls: list[str]):
+        self.samples: dict[str, list] = {}
+        for url in urls:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    text = r.read().decode()
+            except OSError as e:
+                e.url = url  # (which server did not answer)
+                raise
+            for family in text_string_to_metric_families(text):
+                self.samples.setdefault(family.name, []).extend(family.samples)
+
+    def values(self, name: str) -> list[float]:
+        return [sample.value for sample in self.samples.get(name, [])]
+
+    def total(self, name: str) -> float:
+        return sum(self.values(name))
+
+    def mean(self, name: str) -> float:
+        return self.total(name) / max(1, len(self.values(name)))
+
+    def load(self) -> str:
+        """KV cache, running and waiting, as the panel shows them."""
+        return (f"**KV cache** {self.mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
+                f"**Running** {self.total('vllm:num_requests_running'):.0f} · "
+                f"**Waiting** {self.total('vllm:num_requests_waiting'):.0f}")
 
 
 def _frame(times: list[float], name: str, values: list[float]) -> pd.DataFrame:
