@@ -118,6 +118,11 @@ def _cmd_bench_moe(args) -> int:
 
 
 def _cmd_bench_serving(args) -> int:
+    if args.disaggregate:
+        from backend.bench_disaggregated import run_disaggregated_bench
+
+        run_disaggregated_bench(args)
+        return 0
     from backend.bench_serving import run_serving_bench
 
     run_serving_bench(args)
@@ -264,7 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--num-prompts", type=int, default=8)
     serving.add_argument("--input-len", default="128")
     serving.add_argument("--output-len", type=int, default=64)
-    serving.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    serving.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
+                         help="with --disaggregate: the first value is the number of decoding streams")
+    serving.add_argument("--disaggregate", metavar="xPyD", default=None,
+                         help="compare this disaggregated layout with a colocated stack on a mixed load: decoding "
+                              "streams while long prompts arrive (backend/bench_disaggregated.py)")
+    serving.add_argument("--kv-port", type=int, default=14579, help=argparse.SUPPRESS)
+    serving.add_argument("--long-len", type=int, default=1024, help="with --disaggregate: tokens of a long prompt")
+    serving.add_argument("--num-long", type=int, default=6, help="with --disaggregate: long prompts that arrive")
+    serving.add_argument("--long-every-s", type=float, default=1.5,
+                         help="with --disaggregate: seconds between long arrivals")
     serving.set_defaults(func=_cmd_bench_serving)
     return parser
 

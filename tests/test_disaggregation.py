@@ -7,6 +7,7 @@ import socket
 import sys
 
 import pytest
+import torch
 
 from backend.config import EngineConfig
 from backend.engine.engine import LLMEngine
@@ -193,6 +194,36 @@ def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
     consumer.abort_request("d-abort")
     settle(producer, consumer)
     assert_all_blocks_free(producer, consumer)
+
+
+def test_npu_engines_pull_the_kv_bit_for_bit_over_the_ascend_transport(fake_npu, tiny_llama_dir, default_model_dir):
+    """On the (fake) NPU: 128-token blocks in device memory, the transfer engine started with vllm-ascend's "ascend"
+    protocol (this non-CUDA build of Mooncake serves it over TCP). The pulled blocks equal the producer's bit for
+    bit, and the decode gives the colocated engine's tokens."""
+    common = dict(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), device="npu", dtype="bfloat16",
+                  block_size=128, num_kv_blocks=8, max_model_len=512)
+    producer = LLMEngine(EngineConfig(**common, kv_transfer_config=kv_config("kv_producer", "npu-prefill")))
+    consumer = LLMEngine(EngineConfig(**common, kv_transfer_config=kv_config("kv_consumer", "npu-decode")))
+    colocated = LLMEngine(EngineConfig(**common))
+    try:
+        assert producer.kv_connector.protocol == consumer.kv_connector.protocol == "ascend"
+        ids = prompt(70, 2 * 128 + 44)
+        params = prefill(producer, "p-npu", ids)
+        decoded = run(consumer, "d-npu", ids, max_tokens=8, kv_transfer_params=params)
+        assert decoded.outputs[0].token_ids == run(colocated, "c-npu", ids, max_tokens=8).outputs[0].token_ids
+        local = consumer.kv_connector.stats
+        assert local.pulls == 1 and local.blocks == 3
+        # (freed blocks keep their bytes: compare them now; the consumer recomputed the prompt's last token only)
+        remote_blocks = params["remote_block_ids"]
+        local_blocks = [b for b in range(consumer.kv.num_blocks) if consumer.kv.blocks[b].block_hash is not None][:2]
+        for (pk, pv), (ck, cv) in zip(producer.runner.kv_caches, consumer.runner.kv_caches):
+            for remote, mine in zip(remote_blocks, local_blocks):
+                assert torch.equal(pk[remote].cpu(), ck[mine].cpu()) and torch.equal(pv[remote].cpu(), cv[mine].cpu())
+        settle(producer, consumer)
+        assert_all_blocks_free(producer, consumer)
+    finally:
+        for engine in (producer, consumer, colocated):
+            engine.shutdown()
 
 
 @pytest.mark.parametrize("params, message", [

@@ -79,6 +79,15 @@ def _logged_at(log: str, marker: str) -> float:
     return datetime.strptime(f"{datetime.now().year} {line[1:21]}", "%Y %m%d %H:%M:%S.%f").timestamp()
 
 
+def _wait_up(process: subprocess.Popen, log_path: Path, timeout: float = 600) -> None:
+    """Until `npu-llm up` says it is up (failing with its log's end if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while "npu-llm is up" not in log_path.read_text():
+        assert process.poll() is None, log_path.read_text()[-4000:]
+        assert time.monotonic() < deadline, "the stack did not come up"
+        time.sleep(0.5)
+
+
 def _timed_stream(client, prompt: str) -> tuple[float, float]:
     """(TTFT, median gap between responses) of one streamed greedy request, in seconds."""
     import tritonclient.grpc as grpcclient
@@ -122,11 +131,7 @@ def test_up_from_cold_serves_the_first_request_as_fast_as_later_ones_and_sigterm
              "--ui-port", str(ports["ui"]), "--engine-arg", "kv_cache_memory_gb=0.5"],
             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 600
-        while "npu-llm is up" not in log_path.read_text():
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the stack did not come up"
-            time.sleep(0.5)
+        _wait_up(process, log_path)
         assert any((tmp_path / "torch_extensions").rglob("*.so")), "the kernels were not built before it was up"
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['ui']}/", timeout=10) as page:
             assert page.status == 200  # the UI answers too
@@ -186,11 +191,7 @@ def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tm
              "--engine-arg", "kv_cache_memory_gb=0.25", "--kv-port", str(ports["kv"])],
             stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 600
-        while "npu-llm is up" not in log_path.read_text():
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the stack did not come up"
-            time.sleep(0.5)
+        _wait_up(process, log_path)
         ready = log_path.read_text()
         assert "1P1D" in ready and "prefill-0" in ready and "decode-0" in ready, ready[-2000:]
         gateway = f"http://127.0.0.1:{front['gateway']}"

@@ -103,26 +103,16 @@ class SamplingParams(BaseModel):
     # disaggregated prefill (docs/disaggregation.md): set by the proxy, vLLM's keys
     kv_transfer_params: KVTransferParams | None = None
 
-    @field_validator("structured_outputs", mode="before")
+    @field_validator("structured_outputs", "kv_transfer_params", mode="before")
     @classmethod
-    def _structured_outputs_text(cls, value):
-        """Triton's vllm_backend passes structured_outputs as JSON text."""
+    def _object_from_text(cls, value, info):
+        """Triton's vllm_backend passes structured_outputs as JSON text, and a Triton request parameter carries
+        kv_transfer_params as JSON text."""
         if isinstance(value, str):
             try:
                 return json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs is not valid JSON: {e}") from None
-        return value
-
-    @field_validator("kv_transfer_params", mode="before")
-    @classmethod
-    def _kv_transfer_params_text(cls, value):
-        """A Triton request parameter carries them as JSON text."""
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_params is not valid JSON: {e}") from None
+                raise ValueError(f"{info.field_name} is not valid JSON: {e}") from None
         return value
 
     @field_validator("stop", mode="before")

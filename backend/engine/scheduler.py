@@ -17,7 +17,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector
 from backend.engine.request import Request, RequestStatus

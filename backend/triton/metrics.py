@@ -67,6 +67,13 @@ REQUEST_TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
                         480.0, 960.0, 1920.0, 7680.0]
 
 
+def _advance(counter, seen: dict, key, now: float) -> None:
+    """A counter brought up to the engine's running total `now` (seen[key]: the total it was last brought to)."""
+    if now > seen.get(key, 0):
+        counter.increment(now - seen.get(key, 0))
+        seen[key] = now
+
+
 class VllmMetrics:
     def __init__(self, pb_utils, labels: dict[str, str], stats_fn, info: dict[str, str], max_model_len: int,
                  cache_info: dict[str, str], take_iteration_tokens):
@@ -207,10 +214,7 @@ class VllmMetrics:
                 "npu_llm:kv_transfer_requests", "Requests whose KV blocks a transfer holds (pulled here, or kept "
                 "for a decode engine).", "GAUGE").Metric(labels=self._labels)
         for name, metric in self._transfer.items():
-            now = getattr(transfer, name)
-            if now > self._transfer_seen.get(name, 0):
-                metric.increment(now - self._transfer_seen.get(name, 0))
-                self._transfer_seen[name] = now
+            _advance(metric, self._transfer_seen, name, getattr(transfer, name))
         self._transferring.set(num_transferring)
 
     def _count_spec_decode(self, spec) -> None:
@@ -225,9 +229,7 @@ class VllmMetrics:
         counts = {name: getattr(spec, name) for name in self._spec_families if name != "num_accepted_tokens_per_pos"}
         counts.update({f"num_accepted_tokens_per_pos:{pos}": n for pos, n in enumerate(spec.num_accepted_tokens_per_pos)})
         for key, now in counts.items():
-            if now > self._spec_seen.get(key, 0):
-                self._spec[key].increment(now - self._spec_seen.get(key, 0))
-                self._spec_seen[key] = now
+            _advance(self._spec[key], self._spec_seen, key, now)
 
     def _count_expert_pairs(self, load: list[int]) -> None:
         seen = self._expert_pairs_seen + [0] * (len(load) - len(self._expert_pairs_seen))

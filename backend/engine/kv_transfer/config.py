@@ -34,18 +34,12 @@ class KVTransferConfig(BaseModel):
     kv_parallel_size: int | None = None
     kv_connector_module_path: str | None = None
 
-    @field_validator("kv_connector")
+    @field_validator("kv_connector", "kv_role")
     @classmethod
-    def _known_connector(cls, value: str) -> str:
-        if value not in KV_CONNECTORS:
-            raise ValueError(f"unknown kv_connector {value!r}; this engine has {', '.join(KV_CONNECTORS)}")
-        return value
-
-    @field_validator("kv_role")
-    @classmethod
-    def _known_role(cls, value: str) -> str:
-        if value not in KV_ROLES:
-            raise ValueError(f"unknown kv_role {value!r}; one of {', '.join(KV_ROLES)}")
+    def _known(cls, value: str, info) -> str:
+        known = {"kv_connector": KV_CONNECTORS, "kv_role": KV_ROLES}[info.field_name]
+        if value not in known:
+            raise ValueError(f"unknown {info.field_name} {value!r}; one of {', '.join(known)}")
         return value
 
     @field_validator("kv_connector_extra_config")

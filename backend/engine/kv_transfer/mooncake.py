@@ -30,7 +30,7 @@ import torch
 from backend.engine.kv_transfer.config import KVTransferConfig
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
 from backend.engine.kv_transfer.side_channel import SideChannelServer, call
-from backend.engine.kv_transfer.transfer_engine import start_transfer_engine
+from backend.engine.kv_transfer.transfer_engine import start_transfer_engine, transfer_protocol
 from backend.engine.request import Request
 from npu_llm_kernels.metadata import cdiv
 
@@ -68,6 +68,7 @@ class MooncakeConnectorV1(KVConnector):
     def __init__(self, config: KVTransferConfig, block_size: int, platform: str):
         super().__init__(config, block_size)
         self._engine = start_transfer_engine(config.kv_ip, platform)
+        self.protocol = transfer_protocol(platform)
         self._tensors: list[tuple[int, int]] = []  # ours, as in _Peer.tensors
         self._num_blocks = 0
         self._lock = threading.Lock()  # _held, _released and stats: the side channel's thread shares them
@@ -128,9 +129,9 @@ class MooncakeConnectorV1(KVConnector):
         self._num_blocks = tensors[0].shape[0] if tensors else 0
         if self.config.is_producer:
             self._server = SideChannelServer(self.config.kv_ip, self.config.kv_port, self._answer)
-        log.info("KV transfer: %s as %s, engine %s, side channel %s:%d, transfer engine %s:%d",
+        log.info("KV transfer: %s as %s, engine %s, side channel %s:%d, transfer engine %s:%d over %s",
                  self.config.kv_connector, self.config.kv_role, self.config.engine_id, self.config.kv_ip,
-                 self.config.kv_port, self.config.kv_ip, self._engine.get_rpc_port())
+                 self.config.kv_port, self.config.kv_ip, self._engine.get_rpc_port(), self.protocol)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         for load in metadata.loads:

@@ -6,6 +6,11 @@ INSTALL_HINT = ("`make install` installs it: pip's mooncake-transfer-engine-non-
                 "Ascend) and Debian's libibverbs1 librdmacm1 libnuma1 liburing2 (docs/disaggregation.md)")
 
 
+def transfer_protocol(platform: str) -> str:
+    """NPU memory moves over Ascend's transport (HCCS or RoCE); host memory, the CPU's KV cache, over TCP."""
+    return "ascend" if platform == "npu" else "tcp"
+
+
 def start_transfer_engine(host: str, platform: str):
     """A TransferEngine listening on host (its RPC port chosen free: get_rpc_port()). Fails naming what is missing
     when Mooncake or the libraries it loads are not installed."""
@@ -15,8 +20,8 @@ def start_transfer_engine(host: str, platform: str):
         raise RuntimeError(f"kv_transfer_config needs Mooncake's transfer engine, which does not load ({e}); "
                            f"{INSTALL_HINT}") from None
     engine = TransferEngine()
-    protocol = "ascend" if platform == "npu" else "tcp"  # (the "ascend" transport finds its device itself: "")
-    status = engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+    protocol = transfer_protocol(platform)
+    status = engine.initialize(host, "P2PHANDSHAKE", protocol, "")  # (the "ascend" transport finds its device: "")
     if status != 0:
         raise RuntimeError(f"Mooncake's transfer engine did not start on {host} over {protocol} (status {status})")
     return engine
