@@ -16,8 +16,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The RDMA and io_uring libraries Mooncake's transfer engine loads (even when it moves bytes over TCP).
-MOONCAKE_LIBS := /usr/lib/$(shell gcc -print-multiarch)/libibverbs.so.1
-$(MOONCAKE_LIBS):
+MOONCAKE_LIBS := $(addprefix /usr/lib/$(shell gcc -print-multiarch)/,libibverbs.so.1 librdmacm.so.1 libnuma.so.1 liburing.so.2)
+$(MOONCAKE_LIBS) &:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 liburing2
 
 # torch first and pinned: here torch==2.13.0 is a local CPU build, an unpinned torch is a multi-GB CUDA one.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -173,13 +175,42 @@ def test_an_unreachable_producer_means_the_prompt_is_computed_here(engines, monk
 
 def test_abort_before_the_pull_releases_the_producers_blocks(engines):
     producer, consumer, _ = engines
-    params = prefill(producer, "p-never-pulled", prompt(55, 2 * BLOCK))
-    consumer.add_request("d-never-pulled", {"prompt_token_ids": prompt(55, 2 * BLOCK)},
+    ids = prompt(55, 2 * BLOCK)
+    params = prefill(producer, "p-never-pulled", ids)
+    # an aborted request that names that prefill with another prompt may not release it
+    impostor = [ids[0] + 1, *ids[1:]]
+    consumer.add_request("d-impostor", {"prompt_token_ids": impostor},
                          SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
-    consumer.abort_request("d-never-pulled")  # (still queued: no blocks, no claim yet)
+    consumer.abort_request("d-impostor")
+    time.sleep(0.5)  # (its release is sent from a pull thread, and refused)
+    producer.step()
+    assert "p-never-pulled" in producer.scheduler.sending
+    # the request it was made for, aborted while still queued (no blocks, no claim yet), releases it
+    consumer.add_request("d-never-pulled", {"prompt_token_ids": ids},
+                         SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
+    consumer.abort_request("d-never-pulled")
     expired = producer.kv_connector.stats.expired
     settle(producer, consumer)
     assert producer.kv_connector.stats.expired == expired  # released by the consumer, not by the timeout
+    assert_all_blocks_free(producer, consumer)
+
+
+def test_the_side_channel_survives_a_malformed_message(engines):
+    import zmq
+
+    producer, consumer, colocated = engines
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{producer.config.kv_transfer.kv_port}")
+    peer.send(b"not an envelope")  # (one frame, no REQ envelope)
+    peer.send_multipart([b"", b"{not json"])
+    assert peer.poll(5000) and b"refused" in peer.recv_multipart()[-1]
+    peer.close()
+    ids = prompt(56, 2 * BLOCK)
+    decoded = run(consumer, "d-after-junk", ids, max_tokens=6,
+                  kv_transfer_params=prefill(producer, "p-after-junk", ids))
+    assert decoded.outputs[0].token_ids == run(colocated, "c-after-junk", ids, max_tokens=6).outputs[0].token_ids
+    settle(producer, consumer)
     assert_all_blocks_free(producer, consumer)
 
 
@@ -187,12 +218,19 @@ def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
     producer, consumer, _ = engines
     ids = prompt(50, 4 * BLOCK)
     params = prefill(producer, "p-abort", ids)
+    gate = threading.Event()  # the pull threads wait on it: the pull cannot end before the abort
+    for _ in range(mooncake.LOAD_THREADS):
+        consumer.kv_connector._pool.submit(gate.wait)
     consumer.add_request("d-abort", {"prompt_token_ids": ids},
                          SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
-    consumer.step()  # admitted: blocks allocated, the pull started
+    consumer.step()  # admitted: blocks allocated, the pull queued
     assert "d-abort" in consumer.scheduler.loading
+    held = len(consumer.kv.block_ids(consumer.scheduler.loading["d-abort"]))
     consumer.abort_request("d-abort")
+    assert consumer.kv.num_blocks - consumer.kv.num_free_blocks == held  # kept: the pull will write them
+    gate.set()
     settle(producer, consumer)
+    assert consumer.kv_connector.stats.blocks > 0  # the pull ran, then its blocks were freed
     assert_all_blocks_free(producer, consumer)
 
 
@@ -251,6 +289,7 @@ def test_kv_transfer_params_an_engine_cannot_act_on_are_refused_at_add(engines):
         (producer, {"do_remote_decode": True}, {"n": 2}, "need n=1"),
         (consumer, remote, {"prompt_logprobs": 1}, "prompt_logprobs"),
         (consumer, dict(remote, remote_block_ids=[0, 1]), {}, "remote_block_ids has 2 blocks"),
+        (consumer, dict(remote, remote_tp_size=2), {}, "tensor_parallel_size=2"),
     ]
     for engine, params, extra, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -152,7 +152,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        taken = self.outputs.states.keys() | self.scheduler.sending.keys()  # (a held prefill keeps its id's blocks)
+        # (a prefill held for a consumer, or a request aborted mid-pull, keeps its id's blocks for a while)
+        taken = self.outputs.states.keys() | self.scheduler.sending.keys() | self.scheduler.loading.keys()
         if request_id in self.outputs.parents or any(c in taken for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, children = self.inputs.process(child_ids, prompt, params)
@@ -385,7 +386,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading) + len(self.scheduler.loaded),
             kv_cache_usage=self.kv.usage,
             prefix_cache_hit_rate=self.kv.prefix_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,

@@ -74,6 +74,9 @@ class InputProcessor:
         if params.n != 1:
             raise ValueError("kv_transfer_params need n=1")
         if transfer.do_remote_prefill:
+            if transfer.remote_tp_size != self.config.tensor_parallel_size:
+                raise ValueError(f"the prefill engine runs tensor_parallel_size={transfer.remote_tp_size} and this "
+                                 f"one {self.config.tensor_parallel_size}: the KV layouts must match (one rank each)")
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs cannot be computed from a remote prefill: ask the prefill engine")
             num_blocks = cdiv(len(ids), self.config.block_size)

@@ -12,8 +12,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
-    # holding blocks while another engine's prefill is pulled into them (backend/engine/kv_transfer/), then
-    # admitted with them
+    # holding blocks while another engine's prefill is pulled into them (backend/engine/kv_transfer/)
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
 

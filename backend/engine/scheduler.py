@@ -7,8 +7,9 @@ After the forward pass, update_from_output moves each scheduled request on: its 
 in the cache now, its sampled token is appended, and a stop token or its length finishes it.
 
 With a KV connector (disaggregated prefill, backend/engine/kv_transfer/), a request whose prompt KV another engine
-holds is admitted with blocks for it and waits, taking no step, while it is pulled (`loading`); it then runs its last
-prompt token. A finished request whose blocks a consumer will pull keeps them until released (`sending`).
+holds is admitted with blocks for it and waits, taking no step, while it is pulled (`loading`); once it has its KV
+(`loaded`) it runs its last prompt token, before any request waiting for blocks (it needs none). A finished request
+whose blocks a consumer will pull keeps them until released (`sending`).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Scheduler:
         self.kv = kv
         self.connector = connector
         self.loading: dict[str, Request] = {}  # request id -> request whose prompt KV is being pulled into its blocks
+        self.loaded: deque[Request] = deque()  # requests whose prompt KV has arrived, to run first
         self.sending: dict[str, Request] = {}  # request id -> finished request whose blocks a consumer will pull
         # With an MTP drafter the draft layer's KV at a block's last position was computed from the token after the
         # block, which a prefix-cache hit does not match: the last hit block is computed again (as vLLM does).
@@ -87,15 +89,20 @@ class Scheduler:
     def has_pending_transfers(self) -> bool:
         return bool(self.loading or self.sending)
 
+    @property
+    def num_holding(self) -> int:
+        """Sequences that hold blocks for a step: running, being pulled, or pulled and about to run."""
+        return len(self.running) + len(self.loading) + len(self.loaded)
+
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and give its blocks back (a request being loaded
         keeps them until its load ends: they are being written)."""
         if request.request_id in self.loading:
             return
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.running, self.waiting, self.loaded):
+            if request in queue:
+                queue.remove(request)
+                break
         self.kv.free(request)
 
     def schedule(self) -> list[ScheduledRequest]:
@@ -124,6 +131,14 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        # Pulled requests next: they hold their blocks already, and only their last prompt token runs.
+        while self.loaded and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.loaded.popleft()
+            self.kv.allocate(request, 1)  # (num_computed_tokens + 1 tokens: covered by its table)
+            self._run(request)
+            scheduled.append(ScheduledRequest(request, 1))
+            budget -= 1
+
         # New requests only when nobody had to make room this step.
         computing: set[int] = set()  # hashes of the full blocks that requests admitted in this step will fill
         compiling: list[Request] = []  # passed over until their grammar is compiled (vLLM's WAITING_FOR_FSM)
@@ -131,14 +146,6 @@ class Scheduler:
             request = self.waiting[0]
             if request.waiting_for_grammar:
                 compiling.append(self.waiting.popleft())
-                continue
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:  # its prompt's KV has arrived
-                if not self.kv.allocate(request, 1):
-                    break
-                self.waiting.popleft()
-                self._run(request)
-                scheduled.append(ScheduledRequest(request, 1))  # the last prompt token, for the first token's logits
-                budget -= 1
                 continue
             hits = self.kv.find_cached_prefix(request)
             if self.drafting:
@@ -149,7 +156,7 @@ class Scheduler:
             num_new = len(request.token_ids) - num_cached
             num_external = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
             if num_external:
-                if not self._start_loading(request, hits, num_external):
+                if self.num_holding >= self.max_num_seqs or not self._start_loading(request, hits, num_external):
                     break
                 continue
             if num_new > budget and not self.enable_chunked_prefill:
@@ -213,11 +220,11 @@ class Scheduler:
             elif error is None:
                 request.num_computed_tokens = len(request.token_ids) - 1
                 self.kv.cache_full_blocks(request)
-                self.waiting.appendleft(request)
+                self.loaded.append(request)
             else:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
-                request.status = RequestStatus.WAITING
+                request.status = RequestStatus.PREEMPTED  # (recomputed: its prefix lookup is counted already)
                 if isinstance(error, ValueError):
                     failed.append((request, error))
                 else:

@@ -66,16 +66,28 @@ class DisaggregatedClient:
     async def generate(self, prompt: str, parameters: dict, stream: bool, logprobs: bool, request_id: str,
                        prompt_token_ids: list[int] | None = None,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[Chunk]:
-        """The decode server's responses, after a prefill elsewhere. A request the consumer side cannot take from a
-        remote prefill (several samples, prompt logprobs) is decoded where it is prefilled: on a decode server."""
+        """The decode server's responses, after a prefill elsewhere: the least loaded decode server that answers.
+        A request the consumer side cannot take from a remote prefill (several samples, prompt logprobs) is decoded
+        where it is prefilled: on a decode server."""
         if kv_transfer_params is None and parameters.get("n", 1) == 1 and parameters.get("prompt_logprobs") is None:
             kv_transfer_params = await self._prefill(prompt, request_id, prompt_token_ids)
-        decode = self.decode.by_load()[0]
-        with self.decode.busy(decode):
-            async with contextlib.aclosing(decode.generate(prompt, parameters, stream, logprobs, request_id,
-                                                           prompt_token_ids, kv_transfer_params)) as responses:
-                async for chunk in responses:
-                    yield chunk
+        unavailable = None
+        for decode in self.decode.by_load():
+            answered = False
+            try:
+                with self.decode.busy(decode):
+                    async with contextlib.aclosing(decode.generate(prompt, parameters, stream, logprobs, request_id,
+                                                                   prompt_token_ids, kv_transfer_params)) as responses:
+                        async for chunk in responses:
+                            answered = True
+                            yield chunk
+                return
+            except TritonUnavailable as e:
+                if answered:  # (mid-answer: the client has part of it already)
+                    raise
+                log.warning("decode server %s is unavailable (%s); trying the next", decode.url, e)
+                unavailable = e
+        raise unavailable
 
     async def _prefill(self, prompt: str, request_id: str, prompt_token_ids: list[int] | None) -> dict | None:
         """The kv_transfer_params of the prompt's prefill, on the least loaded prefill server that answers; None

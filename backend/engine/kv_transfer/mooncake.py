@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +51,8 @@ class _Held:
 
     block_ids: list[int]
     prompt_token_ids: list[int]
-    deadline: float  # time.monotonic()
-    claimed: bool = False
+    deadline: float  # time.monotonic(); a claim sets a new one, for its read
+    token: str | None = None  # set by the claim: only its holder may release the blocks then
 
 
 @dataclass
@@ -101,7 +102,7 @@ class MooncakeConnectorV1(KVConnector):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params
         if params is not None and params.do_remote_prefill:  # ended before its pull began: the producer may free
-            self._pool.submit(self._release_unpulled, params)
+            self._pool.submit(self._release_unpulled, params, list(request.prompt_token_ids))
             return False, None
         if params is None or not params.do_remote_decode or request.finish_reason == "abort":
             return False, None
@@ -174,32 +175,53 @@ class MooncakeConnectorV1(KVConnector):
             return {"engine_id": self.config.engine_id, "session": f"{self.config.kv_ip}:{self._engine.get_rpc_port()}",
                     "tensors": self._tensors, "block_size": self.block_size}
         if op == "claim":
-            self._claim(request)
-            return {"ok": True}
+            return {"token": self._claim(request)}
         if op == "release":
-            with self._lock:
-                if self._held.pop(str(request.get("request_id")), None) is not None:
-                    self._released.add(str(request.get("request_id")))
+            self._release(request)
             return {"ok": True}
         raise ValueError(f"unknown side-channel op {op!r}")
 
-    def _claim(self, request: dict) -> None:
-        """A consumer asks for a request's blocks: only the very blocks held for that very prompt, once."""
+    def _claim(self, request: dict) -> str:
+        """A consumer asks for a request's blocks: only the very blocks held for that very prompt, once. Returns the
+        token that releases them."""
+        with self._lock:
+            held = self._matching(request)
+            if held.token is not None:
+                raise ValueError(f"the prefill of request {request.get('request_id')!r} is already being pulled")
+            if held.deadline < time.monotonic():  # (expired, not yet freed: not the asker's fault)
+                raise TransferFailed(f"the prefill of request {request.get('request_id')!r} timed out")
+            held.token = secrets.token_hex(16)
+            held.deadline = time.monotonic() + self.config.abort_timeout_s
+            return held.token
+
+    def _release(self, request: dict) -> None:
+        """Free a prefill's blocks: for the claim's token, or, never claimed, for whoever names the very prefill (a
+        consumer whose request ended before its pull)."""
+        request_id = request.get("request_id")
+        with self._lock:
+            if request.get("token") is not None:
+                held = self._held.get(request_id)
+                if held is None or held.token != request["token"]:
+                    return  # freed already (timed out)
+            elif self._matching(request).token is not None:
+                raise ValueError(f"the prefill of request {request_id!r} is being pulled")
+            del self._held[request_id]
+            self._released.add(request_id)
+
+    def _matching(self, request: dict) -> _Held:
+        """The prefill a side-channel request names, if this engine holds exactly that one (under the lock)."""
         me, request_id = self.config.engine_id, request.get("request_id")
         if request.get("engine_id") != me:
             raise ValueError(f"kv_transfer_params name engine {request.get('engine_id')!r}, but this is engine {me!r}")
-        with self._lock:
-            held = self._held.get(request_id)
-            if held is None:
-                raise ValueError(f"engine {me!r} holds no prefill of request {request_id!r} (unknown, already "
-                                 "pulled, or timed out)")
-            if held.claimed:
-                raise ValueError(f"the prefill of request {request_id!r} is already being pulled")
-            if request.get("block_ids") != held.block_ids:
-                raise ValueError(f"remote_block_ids are not the blocks engine {me!r} holds for request {request_id!r}")
-            if request.get("prompt_token_ids") != held.prompt_token_ids:
-                raise ValueError(f"the prompt is not the one engine {me!r} prefilled as request {request_id!r}")
-            held.claimed = True
+        held = self._held.get(request_id)
+        if held is None:
+            raise ValueError(f"engine {me!r} holds no prefill of request {request_id!r} (unknown, already "
+                             "pulled, or timed out)")
+        if request.get("block_ids") != held.block_ids:
+            raise ValueError(f"remote_block_ids are not the blocks engine {me!r} holds for request {request_id!r}")
+        if request.get("prompt_token_ids") != held.prompt_token_ids:
+            raise ValueError(f"the prompt is not the one engine {me!r} prefilled as request {request_id!r}")
+        return held
 
     # -- the consumer's pull ----------------------------------------------------------------------
 
@@ -209,16 +231,17 @@ class MooncakeConnectorV1(KVConnector):
         remote = load.remote
         try:
             peer = self._peer(remote.remote_host, remote.remote_port, remote.remote_engine_id)
-            self._call(remote.remote_host, remote.remote_port, {
-                "op": "claim", "engine_id": remote.remote_engine_id, "request_id": remote.remote_request_id,
-                "block_ids": remote.remote_block_ids, "prompt_token_ids": load.prompt_token_ids})
+            token = self._call(remote.remote_host, remote.remote_port,
+                               {"op": "claim", **_naming(remote, load.prompt_token_ids)})["token"]
             try:
                 num_blocks, num_bytes = self._read(peer, load)
             finally:
                 self._call(remote.remote_host, remote.remote_port,
-                           {"op": "release", "request_id": remote.remote_request_id})
+                           {"op": "release", "request_id": remote.remote_request_id, "token": token})
         except Exception as e:
             log.warning("KV transfer of request %s failed: %s", load.request_id, e)
+            if isinstance(e, TransferFailed):  # (a producer restarted at that address: ask for its layout again)
+                self._peers.pop((remote.remote_host, remote.remote_port), None)
             with self._lock:
                 self.stats.failures += 1
             self._loaded.put((load.request_id, e))
@@ -230,25 +253,28 @@ class MooncakeConnectorV1(KVConnector):
             self.stats.seconds += time.perf_counter() - begin
         self._loaded.put((load.request_id, None))
 
-    def _release_unpulled(self, remote) -> None:
+    def _release_unpulled(self, remote, prompt_token_ids: list[int]) -> None:
         try:
-            self._call(remote.remote_host, remote.remote_port, {"op": "release", "request_id": remote.remote_request_id})
+            self._call(remote.remote_host, remote.remote_port, {"op": "release", **_naming(remote, prompt_token_ids)})
         except Exception as e:  # (the producer's abort_timeout_s frees them anyway)
             log.warning("could not release remote request %s's blocks: %s", remote.remote_request_id, e)
 
     def _call(self, host: str, port: int, request: dict) -> dict:
+        """A side-channel call: a refusal raises ValueError (the request's params were wrong), anything else that
+        keeps it from an answer raises TransferFailed."""
         try:
             answer = call(host, port, request, SIDE_CHANNEL_TIMEOUT_S)
-        except TimeoutError as e:
+        except (TimeoutError, ConnectionError) as e:
             raise TransferFailed(str(e)) from None
         if "error" in answer:
-            raise ValueError(answer["error"])
+            raise (ValueError if answer.get("refused") else TransferFailed)(answer["error"])
         return answer
 
     def _peer(self, host: str, port: int, engine_id: str) -> _Peer:
-        """The producer's layout (asked once per address), checked against ours."""
+        """The producer's layout (asked once per address, and again if the engine there is not the one named: it
+        may have restarted), checked against ours."""
         peer = self._peers.get((host, port))
-        if peer is None:
+        if peer is None or peer.engine_id != engine_id:
             answer = self._call(host, port, {"op": "layout"})
             peer = _Peer(answer["engine_id"], answer["session"], [tuple(t) for t in answer["tensors"]],
                          answer["block_size"])
@@ -279,6 +305,12 @@ class MooncakeConnectorV1(KVConnector):
             if status != 0:
                 raise TransferFailed(f"reading {len(pairs)} blocks from {peer.session} failed (status {status})")
         return len(pairs), sum(lengths)
+
+
+def _naming(remote, prompt_token_ids: list[int]) -> dict:
+    """What names one prefill to its producer: the engine, the request, its blocks and its prompt."""
+    return {"engine_id": remote.remote_engine_id, "request_id": remote.remote_request_id,
+            "block_ids": remote.remote_block_ids, "prompt_token_ids": prompt_token_ids}
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -15,8 +15,9 @@ POLL_MS = 100  # how often the server thread looks up from its socket to see whe
 
 
 class SideChannelServer:
-    """Answers each request with handler(request) on a thread of its own. A handler's ValueError becomes an
-    {"error": ...} answer; the server keeps serving whatever a peer sends."""
+    """Answers each request with handler(request) on a thread of its own, whatever a peer sends. A handler's
+    ValueError refuses the request ({"error": ..., "refused": true}: the peer asked for something it may not have);
+    any other failure is the server's ({"error": ..., "refused": false}: worth another way, not the asker's fault)."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict], dict]):
         self._handler = handler
@@ -37,17 +38,20 @@ class SideChannelServer:
         while not self._stopping.is_set():
             if not self._socket.poll(POLL_MS):
                 continue
-            identity, _, body = self._socket.recv_multipart()
+            frames = self._socket.recv_multipart()
+            if len(frames) != 3:  # (not a REQ socket's envelope: nobody to answer)
+                continue
+            identity, _, body = frames
             try:
                 request = json.loads(body)
                 if not isinstance(request, dict):
                     raise ValueError("a side-channel request is a JSON object")
                 answer = self._handler(request)
             except ValueError as e:  # (json's errors included)
-                answer = {"error": str(e)}
+                answer = {"error": str(e), "refused": True}
             except Exception as e:
                 log.exception("side-channel request failed")
-                answer = {"error": f"internal error: {e!r}"}
+                answer = {"error": f"internal error: {e!r}", "refused": False}
             self._socket.send_multipart([identity, b"", json.dumps(answer).encode()])
         self._socket.close()
         self._context.term()
@@ -58,8 +62,8 @@ class SideChannelServer:
 
 
 def call(host: str, port: int, request: dict, timeout_s: float) -> dict:
-    """One request to a peer's side channel. Raises TimeoutError when it does not answer in time (a socket per call:
-    a REQ socket that timed out cannot be used again)."""
+    """One request to a peer's side channel. Raises TimeoutError when it does not answer in time, ConnectionError
+    when ZMQ cannot reach it at all (a socket per call: a REQ socket that timed out cannot be used again)."""
     context = zmq.Context.instance()
     socket = context.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
@@ -71,7 +75,7 @@ def call(host: str, port: int, request: dict, timeout_s: float) -> dict:
         return json.loads(socket.recv())
     except zmq.Again:
         raise TimeoutError(f"the KV producer's side channel at {host}:{port} did not answer in {timeout_s} s") from None
-    except zmq.ZMQError as e:  # (an address ZMQ cannot even connect to)
-        raise ValueError(f"cannot reach a side channel at {host}:{port}: {e}") from None
+    except zmq.ZMQError as e:  # (an address ZMQ cannot even connect to, or no socket left)
+        raise ConnectionError(f"cannot reach a side channel at {host}:{port}: {e}") from None
     finally:
         socket.close()
