@@ -173,6 +173,21 @@ def test_an_unreachable_producer_means_the_prompt_is_computed_here(engines, monk
     assert_all_blocks_free(producer, consumer)
 
 
+def test_a_claim_after_the_timeout_means_the_prompt_is_computed_here(engines):
+    producer, consumer, colocated = engines
+    ids = prompt(45, 2 * BLOCK + 3)
+    params = prefill(producer, "p-late", ids)
+    expired = producer.kv_connector.stats.expired
+    settle(producer)  # (nobody claims it: freed after abort_timeout_s)
+    assert producer.kv_connector.stats.expired == expired + 1
+    failures = consumer.kv_connector.stats.failures
+    decoded = run(consumer, "d-late", ids, max_tokens=10, kv_transfer_params=params)  # not refused: timed out
+    assert decoded.outputs[0].token_ids == run(colocated, "c-late", ids, max_tokens=10).outputs[0].token_ids
+    assert consumer.kv_connector.stats.failures == failures + 1
+    settle(producer, consumer)
+    assert_all_blocks_free(producer, consumer)
+
+
 def test_abort_before_the_pull_releases_the_producers_blocks(engines):
     producer, consumer, _ = engines
     ids = prompt(55, 2 * BLOCK)

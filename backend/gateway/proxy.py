@@ -87,6 +87,7 @@ class DisaggregatedClient:
                     raise
                 log.warning("decode server %s is unavailable (%s); trying the next", decode.url, e)
                 unavailable = e
+                kv_transfer_params = None  # (it may have pulled them already: the next one prefills itself)
         raise unavailable
 
     async def _prefill(self, prompt: str, request_id: str, prompt_token_ids: list[int] | None) -> dict | None:

@@ -30,7 +30,7 @@ import torch
 
 from backend.engine.kv_transfer.config import KVTransferConfig
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
-from backend.engine.kv_transfer.side_channel import SideChannelServer, call
+from backend.engine.kv_transfer.side_channel import SideChannelServer, Unavailable, call
 from backend.engine.kv_transfer.transfer_engine import start_transfer_engine, transfer_protocol
 from backend.engine.request import Request
 from npu_llm_kernels.metadata import cdiv
@@ -74,6 +74,9 @@ class MooncakeConnectorV1(KVConnector):
         self._num_blocks = 0
         self._lock = threading.Lock()  # _held, _released and stats: the side channel's thread shares them
         self._held: dict[str, _Held] = {}
+        # request id -> when its held prefill timed out: a late claim is told so (and recomputes), not refused,
+        # for another abort_timeout_s
+        self._expired: dict[str, float] = {}
         self._released: set[str] = set()
         self._loads: list[KVLoad] = []  # decided this step, for build_connector_meta
         self._loaded: queue.SimpleQueue = queue.SimpleQueue()  # (request id, None or the error) of ended pulls
@@ -147,7 +150,10 @@ class MooncakeConnectorV1(KVConnector):
                             request_id, self.config.abort_timeout_s)
                 del self._held[request_id]
                 self._released.add(request_id)
+                self._expired[request_id] = now
                 self.stats.expired += 1
+            for request_id in [r for r, when in self._expired.items() if when < now - self.config.abort_timeout_s]:
+                del self._expired[request_id]
             finished.sending, self._released = self._released, set()
         while True:
             try:
@@ -189,7 +195,7 @@ class MooncakeConnectorV1(KVConnector):
             if held.token is not None:
                 raise ValueError(f"the prefill of request {request.get('request_id')!r} is already being pulled")
             if held.deadline < time.monotonic():  # (expired, not yet freed: not the asker's fault)
-                raise TransferFailed(f"the prefill of request {request.get('request_id')!r} timed out")
+                raise Unavailable(f"the prefill of request {request.get('request_id')!r} timed out")
             held.token = secrets.token_hex(16)
             held.deadline = time.monotonic() + self.config.abort_timeout_s
             return held.token
@@ -201,8 +207,9 @@ class MooncakeConnectorV1(KVConnector):
         with self._lock:
             if request.get("token") is not None:
                 held = self._held.get(request_id)
-                if held is None or held.token != request["token"]:
-                    return  # freed already (timed out)
+                if held is None or held.token != request["token"]:  # its read outlasted abort_timeout_s
+                    raise Unavailable(f"the prefill of request {request_id!r} was freed before its release: its "
+                                      "blocks may have been reused")
             elif self._matching(request).token is not None:
                 raise ValueError(f"the prefill of request {request_id!r} is being pulled")
             del self._held[request_id]
@@ -214,9 +221,11 @@ class MooncakeConnectorV1(KVConnector):
         if request.get("engine_id") != me:
             raise ValueError(f"kv_transfer_params name engine {request.get('engine_id')!r}, but this is engine {me!r}")
         held = self._held.get(request_id)
+        if held is None and request_id in self._expired:
+            raise Unavailable(f"the prefill of request {request_id!r} timed out")
         if held is None:
-            raise ValueError(f"engine {me!r} holds no prefill of request {request_id!r} (unknown, already "
-                             "pulled, or timed out)")
+            raise ValueError(f"engine {me!r} holds no prefill of request {request_id!r} (unknown, or already "
+                             "pulled)")
         if request.get("block_ids") != held.block_ids:
             raise ValueError(f"remote_block_ids are not the blocks engine {me!r} holds for request {request_id!r}")
         if request.get("prompt_token_ids") != held.prompt_token_ids:

@@ -14,10 +14,14 @@ log = logging.getLogger(__name__)
 POLL_MS = 100  # how often the server thread looks up from its socket to see whether it should stop
 
 
+class Unavailable(Exception):
+    """A handler cannot serve the request now, through no fault of the asker (what it asked for timed out, say)."""
+
+
 class SideChannelServer:
     """Answers each request with handler(request) on a thread of its own, whatever a peer sends. A handler's
     ValueError refuses the request ({"error": ..., "refused": true}: the peer asked for something it may not have);
-    any other failure is the server's ({"error": ..., "refused": false}: worth another way, not the asker's fault)."""
+    Unavailable, or any other failure, is not the asker's fault ({"error": ..., "refused": false})."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict], dict]):
         self._handler = handler
@@ -49,6 +53,8 @@ class SideChannelServer:
                 answer = self._handler(request)
             except ValueError as e:  # (json's errors included)
                 answer = {"error": str(e), "refused": True}
+            except Unavailable as e:
+                answer = {"error": str(e), "refused": False}
             except Exception as e:
                 log.exception("side-channel request failed")
                 answer = {"error": f"internal error: {e!r}", "refused": False}
@@ -64,8 +70,10 @@ class SideChannelServer:
 def call(host: str, port: int, request: dict, timeout_s: float) -> dict:
     """One request to a peer's side channel. Raises TimeoutError when it does not answer in time, ConnectionError
     when ZMQ cannot reach it at all (a socket per call: a REQ socket that timed out cannot be used again)."""
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.REQ)
+    try:
+        socket = zmq.Context.instance().socket(zmq.REQ)
+    except zmq.ZMQError as e:  # (no socket left)
+        raise ConnectionError(f"no socket for the side channel at {host}:{port}: {e}") from None
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
@@ -75,7 +83,7 @@ def call(host: str, port: int, request: dict, timeout_s: float) -> dict:
         return json.loads(socket.recv())
     except zmq.Again:
         raise TimeoutError(f"the KV producer's side channel at {host}:{port} did not answer in {timeout_s} s") from None
-    except zmq.ZMQError as e:  # (an address ZMQ cannot even connect to, or no socket left)
+    except zmq.ZMQError as e:  # (an address ZMQ cannot even connect to)
         raise ConnectionError(f"cannot reach a side channel at {host}:{port}: {e}") from None
     finally:
         socket.close()
