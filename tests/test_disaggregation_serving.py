@@ -1,8 +1,8 @@
-"""Disaggregated serving through real processes: two prefill Tritons (kv_producer engines), a decode Triton
-(kv_consumer) and the gateway as their proxy (2P1D), the KV moved by Mooncake's transfer engine. Greedy answers in
+"""Disaggregated serving through real processes: two prefill Tritons (kv_producer engines), two decode Tritons
+(kv_consumer) and the gateway as their proxy (2P2D), the KV moved by Mooncake's transfer engine. Greedy answers in
 fp32 are the colocated engine's; every KV block returns to its pool; the failures of either side stay confined.
 
-The tests share the servers and run in order: the last ones kill a producer, then the consumer."""
+The tests share the servers and run in order: the last ones kill a producer, then the consumers."""
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +34,8 @@ def transfer_config(role: str, engine_id: str) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """(prefill servers, decode server, the proxy gateway's URL, a plain gateway on the decode server that lets a
-    client's kv_transfer_params through)."""
+    """(prefill servers, decode servers, the proxy gateway's URL, a plain gateway on the first decode server that
+    lets a client's kv_transfer_params through)."""
     logs = tmp_path_factory.mktemp("disaggregated")
     with contextlib.ExitStack() as stack:
         configs = [transfer_config("kv_producer", f"prefill-{i}") for i in range(2)]
@@ -43,14 +43,16 @@ def stack(tmp_path_factory):
                                                         logs / f"prefill-{i}.log")) for i, config in enumerate(configs)]
         for server, config in zip(prefill, configs):
             server.kv_port = config["kv_port"]  # (its side channel)
-        decode = stack.enter_context(served_by_triton(
-            {**TRITON_ENGINE_ARGS, "kv_transfer_config": transfer_config("kv_consumer", "decode-0")},
-            logs / "decode.log"))
+        decode = [stack.enter_context(served_by_triton(
+            {**TRITON_ENGINE_ARGS, "kv_transfer_config": transfer_config("kv_consumer", f"decode-{i}")},
+            logs / f"decode-{i}.log")) for i in range(2)]
         ports = free_port(), free_port()
         gateways = [
-            start_gateway(decode.grpc_url, ports[0], logs / "proxy.log",
-                          extra_args=("--prefill", *(p.grpc_url for p in prefill), "--decode", decode.grpc_url)),
-            start_gateway(decode.grpc_url, ports[1], logs / "gateway.log", extra_args=("--allow-kv-transfer-params",)),
+            start_gateway(decode[0].grpc_url, ports[0], logs / "proxy.log",
+                          extra_args=("--prefill", *(p.grpc_url for p in prefill),
+                                      "--decode", *(d.grpc_url for d in decode))),
+            start_gateway(decode[0].grpc_url, ports[1], logs / "gateway.log",
+                          extra_args=("--allow-kv-transfer-params",)),
         ]
         for process in gateways:
             stack.callback(process.wait, 15)
@@ -79,16 +81,21 @@ PROMPTS = [
     "The capital of France is",
     "Write a long story about a dragon who learned to read. " * 5,  # several blocks
     SHARED + "Summarize it in one line.",
-    SHARED + "Which stations are named in it?",  # its shared blocks are in the decode server's cache by then
+    SHARED + "Which stations are named in it?",  # (its shared blocks may be in a decode server's cache by then)
     "List three prime numbers:",
     "Translate to French: good morning, my friend.",
 ]
 
 
-def test_2p1d_answers_equal_a_colocated_engine(stack, reference_llm):
+def pulls(servers) -> float:
+    return sum(server.metric("npu_llm:kv_transfer_pulls_total") for server in servers)
+
+
+def test_2p2d_answers_equal_a_colocated_engine(stack, reference_llm):
     prefill, decode, proxy, _ = stack
-    pulls = decode.metric("npu_llm:kv_transfer_pulls_total")
-    prefilled = [p.metric("vllm:request_success_total") for p in prefill]
+    pulled = pulls(decode)
+    decoded = [d.metric("vllm:e2e_request_latency_seconds_count") for d in decode]
+    prefilled = [p.metric("vllm:e2e_request_latency_seconds_count") for p in prefill]  # (requests served)
     for prompt in PROMPTS:
         response = complete(proxy, prompt)
         assert response.status_code == 200, response.text
@@ -101,28 +108,30 @@ def test_2p1d_answers_equal_a_colocated_engine(stack, reference_llm):
     [colocated] = reference_llm.chat(chat["messages"], SamplingParams(temperature=0, max_tokens=16))
     assert streamed == colocated.outputs[0].text
     requests = len(PROMPTS) + 1
-    # every prefill on a producer (both had some: picked by load, in turn), one generated token each, every decode's
-    # prompt pulled by the consumer
-    for server in (*prefill, decode):
+    # every prefill on a producer, every decode on a consumer (each server had some: picked by load, in turn), one
+    # generated token each on the producers, every decode's prompt pulled
+    for server in (*prefill, *decode):
         server.settled()
-    served = [p.metric("vllm:request_success_total") - b for p, b in zip(prefill, prefilled)]
-    assert sum(served) == requests and all(n > 0 for n in served), served
+    for servers, before in ((prefill, prefilled), (decode, decoded)):
+        served = [s.metric("vllm:e2e_request_latency_seconds_count") - b for s, b in zip(servers, before)]
+        assert sum(served) == requests and all(n > 0 for n in served), served
     for server in prefill:
-        assert server.metric("vllm:generation_tokens_total") == server.metric("vllm:request_success_total")
-    assert decode.wait_metric("npu_llm:kv_transfer_pulls_total", lambda v: v - pulls == requests) - pulls == requests
-    assert decode.metric("npu_llm:kv_transfer_bytes_total") > 0
-    assert decode.metric("npu_llm:kv_transfer_failures_total") == 0
-    all_blocks_free(*prefill, decode)
+        assert server.metric("vllm:generation_tokens_total") == server.metric("vllm:e2e_request_latency_seconds_count")
+    assert pulls(decode) - pulled == requests
+    for server in decode:
+        assert server.metric("npu_llm:kv_transfer_bytes_total") > 0
+        assert server.metric("npu_llm:kv_transfer_failures_total") == 0
+    all_blocks_free(*prefill, *decode)
 
 
 def test_the_ui_server_panel_shows_both_roles(stack):
     from ui.server_metrics import ServerMetrics
 
     prefill, decode, _, _ = stack
-    panel, _, _ = ServerMetrics([decode.metrics_url], [p.metrics_url for p in prefill]).refresh()
+    panel, _, _ = ServerMetrics([d.metrics_url for d in decode], [p.metrics_url for p in prefill]).refresh()
     assert "**Decode** **KV cache**" in panel and "**Prefill** 2 server(s): **KV cache**" in panel, panel
     pulled = float(panel.split("**KV pulled** ")[1].split(" MiB")[0])
-    assert pulled == round(decode.metric("npu_llm:kv_transfer_bytes_total") / 2**20, 1) > 0
+    assert pulled == round(sum(d.metric("npu_llm:kv_transfer_bytes_total") for d in decode) / 2**20, 1) > 0
 
 
 def test_disconnect_storm_leaves_no_block_held(stack):
@@ -146,7 +155,7 @@ def test_disconnect_storm_leaves_no_block_held(stack):
     leaving = [(n, 60) for n in (0, 1, 1, 2, 3, 5, 8, 13, 21)] + [(0, t) for t in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda args: leave_after(*args), leaving))
-    all_blocks_free(*prefill, decode)
+    all_blocks_free(*prefill, *decode)
     assert complete(proxy, "Still there?", 4).status_code == 200
 
 
@@ -171,7 +180,7 @@ def test_client_kv_transfer_params_are_dropped_unless_allowed(stack, reference_l
     ]:
         response = complete(direct, prompt, 4, kv_transfer_params=params)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
-    all_blocks_free(*prefill, decode)
+    all_blocks_free(*prefill, *decode)
 
 
 def _kill(server) -> None:
@@ -180,7 +189,7 @@ def _kill(server) -> None:
 
 
 def test_a_killed_producer_costs_no_request(stack, reference_llm):
-    prefill, decode, proxy, direct = stack
+    prefill, (decode, *_), proxy, direct = stack  # (direct: a gateway on the first decode server)
     prompt = "Write a long story about a dragon who learned to read. " * 3
     # a prefill on producer 1 that the consumer has not pulled when producer 1 dies
     # (Triton's generate endpoint takes scalar parameters: the params as JSON text)
@@ -199,18 +208,23 @@ def test_a_killed_producer_costs_no_request(stack, reference_llm):
     for prompt in PROMPTS[:3]:
         response = complete(proxy, prompt)
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected(reference_llm, prompt)
-    all_blocks_free(prefill[0], decode)
+    all_blocks_free(prefill[0], *stack[1])
 
 
-def test_a_killed_consumer_means_503_and_the_producer_frees_its_blocks(stack):
+def test_killed_consumers_mean_the_next_one_then_503_and_the_producer_frees_its_blocks(stack, reference_llm):
     prefill, decode, proxy, _ = stack
+    _kill(decode[1])
+    # every request is answered, the ones picked for the dead server by the one left (which prefills them itself)
+    for prompt in PROMPTS[:4]:
+        response = complete(proxy, prompt)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected(reference_llm, prompt)
     prefill[0].settled()
     expired = prefill[0].metric("npu_llm:kv_transfer_expired_total")
-    _kill(decode)
+    _kill(decode[0])
     response = complete(proxy, "The capital of France is")
     assert response.status_code == 503, response.text
     assert httpx.get(f"{proxy}/health", timeout=30).status_code == 503
     # the prefill it made for that request is freed by the timeout
     assert prefill[0].wait_metric("npu_llm:kv_transfer_expired_total", lambda v: v > expired,
-                                  timeout=ABORT_TIMEOUT_S + 10) == expired + 1
+                                  timeout=ABORT_TIMEOUT_S + 10) >= expired + 1
     all_blocks_free(prefill[0])
