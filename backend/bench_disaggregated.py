@@ -17,10 +17,10 @@ import asyncio
 import json
 import statistics
 import time
-import urllib.request
 
 from backend.bench import random_prompts
 from backend.bench_serving import _one_gateway
+from backend.triton.scrape import Scrape
 
 LONG_OUTPUT = 4  # tokens a long prompt asks for: its TTFT is what matters
 
@@ -58,12 +58,6 @@ async def _mixed_load(gateway: str, model: str, short: list[str], long: list[str
     }
 
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 def run_disaggregated_bench(args) -> dict:
     from backend.engine.tokenizer import load_tokenizer
     from backend.models.loader import load_config
@@ -87,9 +81,9 @@ def run_disaggregated_bench(args) -> dict:
                                                     args.long_every_s))
             if disaggregate:
                 decode = [s for s in plan_servers(args, {}) if s.role == "decode"]
-                urls = [f"http://127.0.0.1:{s.metrics_port}/metrics" for s in decode]
-                seconds = sum(_metric(u, "npu_llm:kv_transfer_seconds_total") for u in urls)
-                pulls = sum(_metric(u, "npu_llm:kv_transfer_pulls_total") for u in urls)
+                scrape = Scrape([f"http://127.0.0.1:{s.metrics_port}/metrics" for s in decode], timeout=5)
+                seconds = scrape.total("npu_llm:kv_transfer_seconds")  # (counters: _total dropped)
+                pulls = scrape.total("npu_llm:kv_transfer_pulls")
                 pull_ms = seconds / max(pulls, 1) * 1000
                 results[name]["kv_pull_ms"] = round(pull_ms, 2)
                 results[name]["kv_pull_share_of_long_ttft"] = round(pull_ms / results[name]["long_ttft_ms"], 3)

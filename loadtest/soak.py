@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
+
+from backend.triton.scrape import Scrape
 
 MiB = 2**20
 
@@ -104,15 +104,11 @@ def rss_by_process(processes: dict[str, psutil.Process]) -> dict[str, int]:
 def engine_gauges(metrics_url: str) -> dict:
     """Requests running and waiting over all engines (data parallel: one per Triton instance), and the fullest
     engine's KV-cache usage."""
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    values: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values.setdefault(sample.name, []).append(sample.value)
+    scrape = Scrape([metrics_url], timeout=5)
     nan = [float("nan")]
-    return {"running": sum(values.get("vllm:num_requests_running", nan)),
-            "waiting": sum(values.get("vllm:num_requests_waiting", nan)),
-            "kv_usage": max(values.get("vllm:kv_cache_usage_perc", nan))}
+    return {"running": sum(scrape.values("vllm:num_requests_running") or nan),
+            "waiting": sum(scrape.values("vllm:num_requests_waiting") or nan),
+            "kv_usage": max(scrape.values("vllm:kv_cache_usage_perc") or nan)}
 
 
 def verdict(monitor: SoakMonitor, summary: dict, after: dict, limits: SoakLimits) -> dict:

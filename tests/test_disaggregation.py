@@ -44,9 +44,14 @@ def engines(tiny_llama_dir, default_model_dir):
         engine.shutdown()
 
 
+def submit(engine, request_id, prompt_ids, **params) -> None:
+    """Queue a greedy request of these token ids."""
+    engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, **params))
+
+
 def run(engine, request_id, prompt_ids, **params):
     """The request's final output, stepping the engine until it ends; its error if it failed."""
-    engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, **params))
+    submit(engine, request_id, prompt_ids, **params)
     for _ in range(10_000):
         for output in engine.step():
             if output.request_id == request_id and output.finished:
@@ -74,6 +79,14 @@ def prefill(producer, request_id, prompt_ids) -> dict:
     return output.kv_transfer_params
 
 
+def assert_decodes_as_colocated(consumer, colocated, name: str, ids: list[int], params: dict, max_tokens: int):
+    """The consumer's greedy tokens, given the prefill's params, are the colocated engine's; its output."""
+    decoded = run(consumer, f"d-{name}", ids, max_tokens=max_tokens, kv_transfer_params=params)
+    reference = run(colocated, f"c-{name}", ids, max_tokens=max_tokens)
+    assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids, name
+    return decoded
+
+
 def prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 200 + 3 for i in range(length)]
 
@@ -98,9 +111,7 @@ def test_consumer_decodes_the_producers_prefill_as_a_colocated_engine_would(engi
     for name, ids in prompts.items():
         params = prefill(producer, f"p-{name}", ids)
         assert params["remote_engine_id"] == "prefill-0" and len(params["remote_block_ids"]) == -(-len(ids) // BLOCK)
-        decoded = run(consumer, f"d-{name}", ids, max_tokens=20, kv_transfer_params=params)
-        reference = run(colocated, f"c-{name}", ids, max_tokens=20)
-        assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids, name
+        decoded = assert_decodes_as_colocated(consumer, colocated, name, ids, params, 20)
         if name == "prefix-b":
             assert decoded.metrics.num_cached_tokens == 3 * BLOCK
     settle(producer, consumer)
@@ -118,9 +129,8 @@ def test_requests_decode_while_another_is_pulled(engines):
     ids = [prompt(10 + i, 2 * BLOCK + i) for i in range(4)]
     params = [prefill(producer, f"p-batch-{i}", p) for i, p in enumerate(ids)]
     for i, p in enumerate(ids):
-        consumer.add_request(f"d-batch-{i}", {"prompt_token_ids": p},
-                             SamplingParams(temperature=0, max_tokens=12, kv_transfer_params=params[i]))
-    consumer.add_request("local", {"prompt_token_ids": prompt(20, 30)}, SamplingParams(temperature=0, max_tokens=12))
+        submit(consumer, f"d-batch-{i}", p, max_tokens=12, kv_transfer_params=params[i])
+    submit(consumer, "local", prompt(20, 30), max_tokens=12)
     outputs = {}
     while consumer.has_unfinished_requests():
         outputs.update({o.request_id: o for o in consumer.step() if o.finished})
@@ -150,7 +160,7 @@ def test_a_claim_the_producer_refuses_fails_only_its_request(engines, change, me
             wrong[key] = [b + 1 for b in params["remote_block_ids"]]
         else:
             wrong[key] = value
-    consumer.add_request("bystander", {"prompt_token_ids": prompt(31, 20)}, SamplingParams(temperature=0, max_tokens=8))
+    submit(consumer, "bystander", prompt(31, 20), max_tokens=8)
     error = run(consumer, "refused", asked, max_tokens=8, kv_transfer_params=wrong)
     assert isinstance(error, ValueError) and message in str(error), error
     # the right params still work: a refused claim takes nothing from the producer
@@ -165,8 +175,7 @@ def test_an_unreachable_producer_means_the_prompt_is_computed_here(engines, monk
     ids = prompt(40, 3 * BLOCK + 1)
     params = dict(prefill(producer, "p-gone", ids), remote_host="127.0.0.1", remote_port=free_port())
     failures = consumer.kv_connector.stats.failures
-    decoded = run(consumer, "d-gone", ids, max_tokens=10, kv_transfer_params=params)
-    assert decoded.outputs[0].token_ids == run(colocated, "c-gone", ids, max_tokens=10).outputs[0].token_ids
+    assert_decodes_as_colocated(consumer, colocated, "gone", ids, params, 10)
     assert consumer.kv_connector.stats.failures == failures + 1
     settle(producer, consumer)  # the producer frees its blocks when nobody claims them (abort_timeout_s=3)
     assert producer.kv_connector.stats.expired >= 1
@@ -181,8 +190,7 @@ def test_a_claim_after_the_timeout_means_the_prompt_is_computed_here(engines):
     settle(producer)  # (nobody claims it: freed after abort_timeout_s)
     assert producer.kv_connector.stats.expired == expired + 1
     failures = consumer.kv_connector.stats.failures
-    decoded = run(consumer, "d-late", ids, max_tokens=10, kv_transfer_params=params)  # not refused: timed out
-    assert decoded.outputs[0].token_ids == run(colocated, "c-late", ids, max_tokens=10).outputs[0].token_ids
+    assert_decodes_as_colocated(consumer, colocated, "late", ids, params, 10)  # not refused: timed out
     assert consumer.kv_connector.stats.failures == failures + 1
     settle(producer, consumer)
     assert_all_blocks_free(producer, consumer)
@@ -194,15 +202,13 @@ def test_abort_before_the_pull_releases_the_producers_blocks(engines):
     params = prefill(producer, "p-never-pulled", ids)
     # an aborted request that names that prefill with another prompt may not release it
     impostor = [ids[0] + 1, *ids[1:]]
-    consumer.add_request("d-impostor", {"prompt_token_ids": impostor},
-                         SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
+    submit(consumer, "d-impostor", impostor, max_tokens=8, kv_transfer_params=params)
     consumer.abort_request("d-impostor")
     time.sleep(0.5)  # (its release is sent from a pull thread, and refused)
     producer.step()
     assert "p-never-pulled" in producer.scheduler.sending
     # the request it was made for, aborted while still queued (no blocks, no claim yet), releases it
-    consumer.add_request("d-never-pulled", {"prompt_token_ids": ids},
-                         SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
+    submit(consumer, "d-never-pulled", ids, max_tokens=8, kv_transfer_params=params)
     consumer.abort_request("d-never-pulled")
     expired = producer.kv_connector.stats.expired
     settle(producer, consumer)
@@ -222,9 +228,7 @@ def test_the_side_channel_survives_a_malformed_message(engines):
     assert peer.poll(5000) and b"refused" in peer.recv_multipart()[-1]
     peer.close()
     ids = prompt(56, 2 * BLOCK)
-    decoded = run(consumer, "d-after-junk", ids, max_tokens=6,
-                  kv_transfer_params=prefill(producer, "p-after-junk", ids))
-    assert decoded.outputs[0].token_ids == run(colocated, "c-after-junk", ids, max_tokens=6).outputs[0].token_ids
+    assert_decodes_as_colocated(consumer, colocated, "after-junk", ids, prefill(producer, "p-after-junk", ids), 6)
     settle(producer, consumer)
     assert_all_blocks_free(producer, consumer)
 
@@ -236,8 +240,7 @@ def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
     gate = threading.Event()  # the pull threads wait on it: the pull cannot end before the abort
     for _ in range(mooncake.LOAD_THREADS):
         consumer.kv_connector._pool.submit(gate.wait)
-    consumer.add_request("d-abort", {"prompt_token_ids": ids},
-                         SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=params))
+    submit(consumer, "d-abort", ids, max_tokens=8, kv_transfer_params=params)
     consumer.step()  # admitted: blocks allocated, the pull queued
     assert "d-abort" in consumer.scheduler.loading
     held = len(consumer.kv.block_ids(consumer.scheduler.loading["d-abort"]))
@@ -262,8 +265,7 @@ def test_npu_engines_pull_the_kv_bit_for_bit_over_the_ascend_transport(fake_npu,
         assert producer.kv_connector.protocol == consumer.kv_connector.protocol == "ascend"
         ids = prompt(70, 2 * 128 + 44)
         params = prefill(producer, "p-npu", ids)
-        decoded = run(consumer, "d-npu", ids, max_tokens=8, kv_transfer_params=params)
-        assert decoded.outputs[0].token_ids == run(colocated, "c-npu", ids, max_tokens=8).outputs[0].token_ids
+        assert_decodes_as_colocated(consumer, colocated, "npu", ids, params, 8)
         local = consumer.kv_connector.stats
         assert local.pulls == 1 and local.blocks == 3
         # (freed blocks keep their bytes: compare them now; the consumer recomputed the prompt's last token only)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections import deque
 from typing import NamedTuple
 
 import pandas as pd
-from prometheus_client.parser import text_string_to_metric_families
+
+from backend.triton.scrape import Scrape
 
 HISTORY_S = 300
 REFRESH_S = 3.0
@@ -59,11 +59,11 @@ class ServerMetrics:
                 self.samples.popleft()
         panel = (
             f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
-            + ("**Decode** " if prefill else "") + served.load()
+            + ("**Decode** " if prefill else "") + _load(served)
             + f" · **Prefix-cache hit rate** {served.mean('vllm:prefix_cache_hit_rate') * 100:.0f}%"
         )
         if prefill:  # (disaggregated: the prefill servers, and the KV pulled from them)
-            panel += (f"  \n**Prefill** {len(self.prefill_metrics_urls)} server(s): {prefill.load()} · "
+            panel += (f"  \n**Prefill** {len(self.prefill_metrics_urls)} server(s): {_load(prefill)} · "
                       f"**KV pulled** {served.total('npu_llm:kv_transfer_bytes') / 2**20:.1f} MiB")
         return panel, self.throughput(), self.kv_cache()
 
@@ -85,36 +85,11 @@ class ServerMetrics:
             return list(self.samples)
 
 
-class Scrape:
-    """Every sample of every server at some URLs, by metric name (one value per engine: data parallel has one per
-    Triton instance, a role several servers)."""
-
-    def __init__(self, urls: list[str]):
-        self.samples: dict[str, list] = {}
-        for url in urls:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    text = r.read().decode()
-            except OSError as e:
-                e.url = url  # (which server did not answer)
-                raise
-            for family in text_string_to_metric_families(text):
-                self.samples.setdefault(family.name, []).extend(family.samples)
-
-    def values(self, name: str) -> list[float]:
-        return [sample.value for sample in self.samples.get(name, [])]
-
-    def total(self, name: str) -> float:
-        return sum(self.values(name))
-
-    def mean(self, name: str) -> float:
-        return self.total(name) / max(1, len(self.values(name)))
-
-    def load(self) -> str:
-        """KV cache, running and waiting, as the panel shows them."""
-        return (f"**KV cache** {self.mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
-                f"**Running** {self.total('vllm:num_requests_running'):.0f} · "
-                f"**Waiting** {self.total('vllm:num_requests_waiting'):.0f}")
+def _load(scrape: Scrape) -> str:
+    """KV cache, running and waiting of some servers, as the panel shows them."""
+    return (f"**KV cache** {scrape.mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
+            f"**Running** {scrape.total('vllm:num_requests_running'):.0f} · "
+            f"**Waiting** {scrape.total('vllm:num_requests_waiting'):.0f}")
 
 
 def _frame(times: list[float], name: str, values: list[float]) -> pd.DataFrame:
