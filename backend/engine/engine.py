@@ -110,8 +110,8 @@ class LLMEngine:
         self.kv = KVCacheManager(started.num_blocks, config.block_size, config.enable_prefix_caching)
         # disaggregated prefill: the connector's two sides (backend/engine/kv_transfer/), both in this process
         self.kv_connector: KVConnector | None = None
-        if config.kv_transfer is not None:
-            self.kv_connector = create_connector(config.kv_transfer, config.block_size, self.platform.name)
+        if (transfer := config.kv_transfer) is not None:
+            self.kv_connector = create_connector(transfer, config.block_size, self.platform.name)
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,

@@ -19,6 +19,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: set[int], num_kv_blocks: int):
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
         self.eos_token_ids, self.num_kv_blocks = eos_token_ids, num_kv_blocks
+        self.kv_transfer = config.kv_transfer  # (parsed once: read by each request that carries kv_transfer_params)
 
     def process(self, child_ids: list[str], prompt: PromptType,
                 params: SamplingParams) -> tuple[str | None, list[Request]]:
@@ -64,7 +65,7 @@ class InputProcessor:
 
     def _check_kv_transfer(self, ids: list[int], params: SamplingParams) -> None:
         """kv_transfer_params this engine can act on: its role, one sequence, a block table the prompt fills."""
-        transfer, role = params.kv_transfer_params, self.config.kv_transfer
+        transfer, role = params.kv_transfer_params, self.kv_transfer
         if role is None:
             raise ValueError("kv_transfer_params need an engine started with kv_transfer_config")
         if transfer.do_remote_prefill and not role.is_consumer:
