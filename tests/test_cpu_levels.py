@@ -141,3 +141,26 @@ def test_the_extension_compiles_for_aarch64(tmp_path):
         assert run.result().returncode == 0, f"{source.name}:\n{run.result().stderr[-3000:]}"
         header = (tmp_path / f"{source.stem}.o").read_bytes()[:20]
         assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+
+
+def test_logits_that_tie_rank_the_greedy_token_first_at_every_level(tiny_llama_dir, default_model_dir, tmp_path,
+                                                                    cpu_level):
+    """A head whose second half repeats its first ties every logit with a twin, in bf16 as in fp32: at each level
+    greedy takes the lower id, which alone has rank 1 and comes first among the alternatives (vLLM's rule, which
+    vllm_backend's additional-outputs tests hold)."""
+    from backend import LLM, SamplingParams
+    from tests.conftest import rewrite_checkpoint
+
+    def twin_rows(tensors):
+        head = tensors["lm_head.weight"]
+        head[head.shape[0] // 2:] = head[: head.shape[0] // 2]
+
+    twins = rewrite_checkpoint(tiny_llama_dir, tmp_path, change_tensors=twin_rows)
+    half = json.loads((twins / "config.json").read_text())["vocab_size"] // 2
+    llm = LLM(model=str(twins), tokenizer=str(default_model_dir), dtype="bfloat16", num_kv_blocks=32, max_num_seqs=2)
+    [out] = llm.generate({"prompt_token_ids": [5, 17, 42, 99]},
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    for token, position in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert token < half
+        assert [(tid, lp.rank) for tid, lp in position.items()] == [(token, 1), (token + half, 2)]
+        assert position[token].logprob == position[token + half].logprob

@@ -103,6 +103,24 @@ def test_logprobs_are_raw_whatever_the_processing():
     assert list(only.logprobs) == [only.token_id]  # logprobs=0: the sampled token alone
 
 
+def test_tied_logits_rank_the_greedy_token_first():
+    """vLLM's tie rule, which vllm_backend's tests hold: one token per position has rank 1, the one greedy picks (the
+    lower id of equal logits), and the top alternatives list it first; ties at the k-th place take the lower ids."""
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, [31, 7]] = 4.0  # tied first
+    logits[0, [40, 12, 25]] = 1.0  # tied third, with two places left for them when logprobs=4
+    [greedy] = sample(logits, [_request(temperature=0, logprobs=4)])
+    assert greedy.token_id == 7
+    assert [(tid, lp.rank) for tid, lp in greedy.logprobs.items()] == [(7, 1), (31, 2), (12, 3), (25, 4)]
+    assert greedy.logprobs[7].logprob == greedy.logprobs[31].logprob
+    [alone] = sample(logits, [_request(temperature=0, logprobs=0)])
+    assert alone.logprobs == {7: greedy.logprobs[7]}
+    # a sampled token takes its place in the same order: 31 is rank 2 however it was drawn
+    drawn = {s.token_id: s.logprobs for s in (sample(logits, [_request(temperature=1.0, top_k=2, logprobs=1)])[0]
+                                              for _ in range(100))}
+    assert set(drawn) == {7, 31} and [lp.rank for lp in drawn[31].values()] == [2, 1]
+
+
 def test_sampling_leaves_the_logits_as_they_were():
     logits = _logits(2)
     before = logits.clone()

@@ -144,6 +144,10 @@ def test_every_flag_combination_answers_as_vllm_backend_does(triton_server, refe
                     assert lp["rank"] == ref.rank >= 1
                     assert lp["decoded_token"] == tokenizer.decode([int(token_id)])
                 assert position[str(token)]["rank"] == 1  # greedy: the most likely token
+                assert [lp["rank"] for lp in position.values()].count(1) == 1  # and it alone (vllm_backend's check)
+            # vllm_backend's: the rank-1 tokens spell the text
+            assert "".join(next(lp["decoded_token"] for lp in position.values() if lp["rank"] == 1)
+                           for position in positions) == expected.text
 
 
 def test_streaming_with_the_prompt_echoed_is_refused_as_vllm_backend_refuses_it(triton_server):

@@ -206,8 +206,8 @@ class ModelRunner:
             for first in range(0, len(scoring.targets), PROMPT_LOGPROBS_ROWS):
                 targets = torch.tensor(scoring.targets[first : first + PROMPT_LOGPROBS_ROWS], device=self.device)
                 begin = start + scoring.first_row + first
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[begin : begin + len(targets)]).float(), -1)
-                entries += ranked_logprobs(logprobs, targets, [scoring.top] * len(targets))
+                logits = self.model.compute_logits(hidden[begin : begin + len(targets)]).float()
+                entries += ranked_logprobs(logits, targets, [scoring.top] * len(targets))
         return entries
 
     def _prepare(self, ordered: list[SequenceChunk], query_lens: list[int], context_lens: list[int]):

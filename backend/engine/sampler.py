@@ -6,6 +6,11 @@ depends on the step's budget and blocks). Sampling uses the exponential-race for
 categorical draw (argmax of p / Exp(1)), as vLLM does, which needs one uniform per token.
 Logprobs are raw: the model's log-softmax before penalties, temperature and filtering
 (vLLM v1's default logprobs_mode, "raw_logprobs"), over the tokens a request's grammar allows.
+
+One order ranks tokens, the one greedy sampling picks from: by logit, and among equal logits the lower token id
+first (the first maximum, which is what argmax returns). A token's rank is its place in that order, so greedy's
+token is always rank 1 and appears first among the top alternatives, even where bf16 logits tie (they often do
+on CPUs that compute bf16 natively).
 """
 from __future__ import annotations
 
@@ -27,21 +32,26 @@ class SampledToken:
     logprob: float = 0.0  # the sampled token's (0.0 when logprobs were not asked for)
 
 
-def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | None] | None = None) -> list[SampledToken]:
+def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | None] | None = None,
+           ahead: list[list[int]] | None = None) -> list[SampledToken]:
     """logits [B, V] fp32, one row per request (left as they are). One SampledToken per request.
 
     drafts (speculative decoding): a row's draft token, which its sample keeps with probability p(draft), the
     rejection sampling of a one-hot draft; where it is rejected the sample comes from p without it. The sample's
-    distribution is p either way, and the draft is verified where the sample equals it (greedy: the argmax)."""
+    distribution is p either way, and the draft is verified where the sample equals it (greedy: the argmax).
+
+    ahead: tokens a row's request does not hold yet but its logits come after (a verified draft): penalties and
+    min_tokens count them as the request's own output."""
     device = logits.device
     params = [r.params for r in requests]
+    ahead = ahead or [[]] * len(requests)
     wants_logprobs = any(p.logprobs is not None for p in params)
     logits = logits.clone()  # the caller may sample these rows again, one by one, if this batch fails
     apply_grammars(logits, [r.grammar for r in requests])  # (nothing to do when no row has a grammar)
-    logprobs_all = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-    _apply_min_tokens(logits, requests)
+    raw_logits = logits.clone() if wants_logprobs else None  # (what logprobs report: before any processing)
+    _apply_min_tokens(logits, requests, ahead)
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
-        _apply_penalties(logits, requests)
+        _apply_penalties(logits, requests, ahead)
 
     if not all(p.greedy or p.temperature == 1 for p in params):
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
@@ -61,8 +71,8 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | Non
             tokens[rows] = torch.where(kept, draft_ids, tokens[rows])
 
     sampled = [SampledToken(token) for token in tokens.tolist()]
-    if logprobs_all is not None:
-        entries = ranked_logprobs(logprobs_all, tokens, [p.logprobs or 0 for p in params])
+    if raw_logits is not None:
+        entries = ranked_logprobs(raw_logits, tokens, [p.logprobs or 0 for p in params])
         for row, p in enumerate(params):
             if p.logprobs is not None:
                 token = sampled[row]
@@ -70,28 +80,44 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | Non
     return sampled
 
 
-def ranked_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[dict[int, Logprob]]:
-    """vLLM's logprobs for each row of logprobs [n, vocab]: tokens[row] first, with its rank (vLLM's: the tokens at
-    least as likely), then the tops[row] most likely tokens, ranked from 1 (decoded_token still None)."""
-    chosen_values = logprobs.gather(1, tokens[:, None])
-    chosen_ranks = (logprobs >= chosen_values).sum(dim=-1).tolist()
-    chosen = chosen_values[:, 0].tolist()
-    k = max(tops, default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+def ranked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[dict[int, Logprob]]:
+    """vLLM's logprobs for each row of fp32 logits [n, vocab]: tokens[row] first, then the tops[row] most likely
+    tokens, each with its log-softmax and its rank in the module's order (decoded_token still None)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    chosen_ranks = _ranks(logits, tokens).tolist()
     entries = []
     for row, (token, top) in enumerate(zip(tokens.tolist(), tops)):
         entry = {token: Logprob(chosen[row], chosen_ranks[row])}
-        if top:
-            alternatives = zip(top_ids[row, :top].tolist(), top_values[row, :top].tolist())
-            for rank, (tid, lp) in enumerate(alternatives, start=1):
-                entry.setdefault(tid, Logprob(lp, rank))
+        top_ids = _top_ids(logits[row], top)
+        for rank, (tid, lp) in enumerate(zip(top_ids.tolist(), logprobs[row, top_ids].tolist()), start=1):
+            entry.setdefault(tid, Logprob(lp, rank))
         entries.append(entry)
     return entries
 
 
-def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def _ranks(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's token's rank: 1 + the tokens with a greater logit + those with an equal one and a lower id."""
+    values = logits.gather(1, tokens[:, None])
+    lower_id = torch.arange(logits.shape[1], device=logits.device)[None, :] < tokens[:, None]
+    return 1 + (logits > values).sum(dim=-1) + ((logits == values) & lower_id).sum(dim=-1)
+
+
+def _top_ids(row: torch.Tensor, k: int) -> torch.Tensor:
+    """The first k token ids of the module's order. (topk alone breaks ties as it likes: of the tokens tied at the
+    k-th value, the lowest ids are taken here.)"""
+    if k <= 0:
+        return row.new_empty(0, dtype=torch.long)
+    values, ids = row.topk(min(k, row.shape[0]))
+    kth = values[-1]
+    tied = (row == kth).nonzero()[:, 0]
+    ids = torch.cat([ids[values > kth], tied[: len(values) - int((values > kth).sum())]]).sort().values
+    return ids[row[ids].sort(descending=True, stable=True).indices]  # by logit, equal ones lower id first
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], ahead: list[list[int]]) -> None:
     for row, r in enumerate(requests):
-        if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
+        if r.num_output_tokens + len(ahead[row]) < r.params.min_tokens and r.stop_token_ids:
             stops = list(r.stop_token_ids)
             kept = logits[row, stops].clone()
             logits[row, stops] = float("-inf")
@@ -99,12 +125,13 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
                 logits[row, stops] = kept  # the grammar can only end here: it wins over min_tokens
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, requests: list[Request], ahead: list[list[int]] | None = None) -> None:
     """OpenAI presence/frequency penalties on output tokens; repetition penalty on prompt + output (as vLLM)."""
     batch, vocab = logits.shape
     device = logits.device
-    outputs = _padded([r.output_token_ids for r in requests], vocab, device)
-    everything = _padded([r.token_ids for r in requests], vocab, device)
+    ahead = ahead or [[]] * batch
+    outputs = _padded([r.output_token_ids + more for r, more in zip(requests, ahead)], vocab, device)
+    everything = _padded([r.token_ids + more for r, more in zip(requests, ahead)], vocab, device)
     counts = torch.zeros(batch, vocab + 1, device=device).scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float))[:, :vocab]
     seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device).scatter_(1, everything, True)[:, :vocab]
 
