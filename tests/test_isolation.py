@@ -8,7 +8,7 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.config import EngineConfig
-from backend.engine import engine as engine_module
+from backend.engine import step_runner as step_runner_module
 from backend.engine.async_engine import AsyncEngine, EngineDeadError
 
 pytestmark = pytest.mark.slow
@@ -57,15 +57,15 @@ def test_parameters_the_model_cannot_take_are_refused_by_add_request(llm):
 
 
 def test_a_request_whose_sampling_fails_fails_alone(llm, alone_seeded, monkeypatch):
-    real_sample = engine_module.sample
+    real_sample = step_runner_module.sample
 
-    def sample(logits, requests, drafts=None):
-        sampled = real_sample(logits, requests, drafts)  # the batch's seeded generators have drawn: a late failure
+    def sample(logits, requests, drafts=None, ahead=None):
+        sampled = real_sample(logits, requests, drafts, ahead)  # the batch's seeded generators have drawn: a late failure
         if any(r.params.seed == 666 for r in requests):
             raise RuntimeError("injected sampler fault")
         return sampled
 
-    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(step_runner_module, "sample", sample)
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"good-{i}", prompt, SEEDED[i])
@@ -208,7 +208,7 @@ def test_forward_passes_failing_in_a_row_stop_the_engine(tiny_engine):
         with pytest.raises(ZeroDivisionError):  # the first failures fail their requests only
             async for _ in stream:
                 pass
-        for _ in range(engine_module.MAX_FAILED_STEPS - 1):
+        for _ in range(step_runner_module.MAX_FAILED_STEPS - 1):
             with pytest.raises((ZeroDivisionError, EngineDeadError)):
                 await _collect(tiny_engine, [1, 2, 3], SamplingParams())
         with pytest.raises(EngineDeadError):

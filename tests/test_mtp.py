@@ -146,24 +146,24 @@ def test_triton_reports_the_spec_decode_metrics(tmp_path, default_model_dir):
 def test_a_sampling_fault_after_a_verified_draft_fails_its_request_alone(tmp_path, default_model_dir, monkeypatch):
     """The token after a verified draft is sampled in a second round. A fault there, for one sequence of an n=2
     request, fails that request (both its sequences) and nothing else, and the step goes on."""
-    from backend.engine import engine as engine_module
+    from backend.engine import step_runner as step_runner_module
 
     model_dir = add_mtp_layer(make_tiny_model("deepseek_v3", tmp_path / "v3"), layer_scale=0.0)  # every draft holds
-    real_sample = engine_module.sample
+    real_sample = step_runner_module.sample
 
-    def sample(logits, requests, drafts=None):
-        # the second round: the verified draft is the request's last token, and still its draft
-        if any(r.request_id == "poison#0" and r.draft_token_ids and r.output_token_ids[-1:] == r.draft_token_ids
-               for r in requests):
+    def sample(logits, requests, drafts=None, ahead=None):
+        # the second round: the verified draft is ahead of the request's tokens, and still its draft
+        if ahead and any(r.request_id == "poison#0" and r.draft_token_ids and more == r.draft_token_ids
+                         for r, more in zip(requests, ahead)):
             raise RuntimeError("injected sampler fault")
-        return real_sample(logits, requests, drafts)
+        return real_sample(logits, requests, drafts, ahead)
 
     args = dict(model=str(model_dir), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=32)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(**args) as plain:
         [expected] = plain.generate([{"prompt_token_ids": [5, 6, 7]}], params)
     with LLM(**args, speculative_config=MTP) as llm:
-        monkeypatch.setattr(engine_module, "sample", sample)
+        monkeypatch.setattr(step_runner_module, "sample", sample)
         engine = llm.engine
         engine.add_request("good", {"prompt_token_ids": [5, 6, 7]}, params)
         # 16 tokens: none cached at admission (the last must run), so the two sequences run in step; the

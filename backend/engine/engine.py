@@ -1,11 +1,12 @@
 """LLMEngine: add_request / abort_request / step, as in vLLM: the step loop. Its parts keep their own jobs, where
 vLLM v1 keeps them: start-up, KV sizing and warm-up (startup.py), input processing (input_processor.py), the
-grammars' lifecycle (structured_outputs.py), the stats' counters (scheduler.py), the ranks (executor.py).
+forward pass and sampling (step_runner.py), the grammars' lifecycle (structured_outputs.py), text and outputs
+(output_processor.py), the stats (stats.py), the ranks (executor.py).
 
-A step is schedule -> execute -> sample -> update. A failure is confined to the requests it
-belongs to: a forward pass that raises fails the requests in it, a sample, detokenize or
-stop check that raises fails its own request, and the rest of the batch goes on. Failed
-requests are aborted (their blocks freed) and reported by take_failures().
+A step is four calls: schedule, execute and sample, update from the output, process the outputs. A failure is
+confined to the requests it belongs to: a forward pass that raises fails the requests in it, a sample, detokenize
+or stop check that raises fails its own request, and the rest of the batch goes on. Failed requests are aborted
+(their blocks freed) and reported by take_failures().
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,18 +23,18 @@ from backend.engine import startup
 from backend.engine.executor import start_workers
 from backend.engine.input_processor import InputProcessor, PromptType
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.kv_transfer.connector import KVConnector, TransferStats, create_connector
+from backend.engine.kv_transfer.connector import KVConnector, create_connector
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.outputs import RequestOutput
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
-from backend.engine.runner import ModelRunner, PromptScoring, SequenceChunk, StepOutput
-from backend.engine.sampler import SampledToken, sample
+from backend.engine.runner import ModelRunner
 from backend.engine.scheduler import ScheduledRequest, Scheduler
-from backend.engine.spec_decode import MTPDrafter, SpecDecodeStats
+from backend.engine.spec_decode import MTPDrafter
+from backend.engine.stats import EngineInfo, EngineStats, collect_stats
+from backend.engine.step_runner import RunnerOutput, StepRunner
 from backend.engine.structured_outputs import StructuredOutputs
-from backend.engine.workers import RankFailedError
 from backend.models.llama import check_model
 from backend.models.loader import load_config, max_model_len_of
 from backend.models.registry import resolve_model
@@ -48,29 +48,6 @@ GRAMMAR_WAIT_S = 0.01
 
 # An idle step waits this long for a KV transfer to end (disaggregated prefill), instead of spinning.
 TRANSFER_WAIT_S = 0.002
-
-# Forward passes failing this many times in a row mean the device (not a request) is broken: the
-# engine stops (AsyncEngine reports it dead), as vLLM's does on a device error.
-MAX_FAILED_STEPS = 3
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by requests
-    prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / looked up
-    num_preemptions: int
-    num_computed_tokens: int  # tokens run through the model
-    num_prompt_tokens: int  # prompt tokens of admitted requests
-    num_generation_tokens: int
-    num_steps: int
-    kv_cache_waste: float  # allocated but unused slots / allocated, averaged over steps
-    num_kv_blocks: int
-    expert_load: list[int] = field(default_factory=list)  # MoE: (token, expert) pairs served per rank
-    spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts made and accepted
-    kv_transfer: TransferStats | None = None  # with a KV connector: what it moved and held
-    num_transferring: int = 0  # requests whose blocks a transfer holds: being pulled here, or kept for a consumer
 
 
 class LLMEngine:
@@ -119,13 +96,13 @@ class LLMEngine:
         )
         # speculative decoding: the checkpoint's MTP layer drafts a token a step (spec_decode.py)
         self.drafter = MTPDrafter(self.runner, self.kv) if config.speculative_config is not None else None
+        self.step_runner = StepRunner(self.runner, self.kv, drafting=self.drafter is not None)
         self.inputs = InputProcessor(config, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                      started.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._aborted: list[RequestOutput] = []
         self._failures: dict[str, BaseException] = {}  # request id -> why it failed, until take_failures()
-        self._failed_steps = 0  # forward passes that failed in a row
         self.iteration_tokens = self.scheduler.iteration_tokens  # (for vllm:iteration_tokens_total)
         self._ids = itertools.count()
         self.profiler = Profiler(self.platform, config.profile_dir) if config.profile_dir else None
@@ -221,38 +198,67 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, update; outputs of the requests that changed."""
+        """Schedule, execute and sample, update from the output, process the outputs (vLLM's EngineCore.step);
+        the outputs of the requests that changed."""
         self._check_running()
-        start = time.perf_counter()
-        outputs, self._aborted = self._aborted, []
-        self.structured_outputs.fail_bad_grammars(self._fail_sequence)
+        started = time.perf_counter()
         with scope("step"):
-            with scope("schedule"):
-                scheduled = self.scheduler.schedule()
-            if self.kv_connector is not None:
-                self.kv_connector.start_load_kv(self.kv_connector.build_connector_meta())
-            if scheduled:
-                starts = [s.request.num_computed_tokens for s in scheduled]
-                step = self._execute(scheduled)
-                sampled = self._sample_next(scheduled, step.logits) if step is not None else {}
-                self.structured_outputs.accept(scheduled, sampled, self._fail_sequence)
-                advanced = self.scheduler.update_from_output(scheduled, {i: s.token_id for i, s in sampled.items()})
-                touched = self._detokenize(advanced, sampled)
-                num_generated = len(advanced)
-                if self.drafter is not None and step is not None:
-                    num_generated += self._take_verified_drafts(scheduled, step, sampled, touched)
-                    self.drafter.draft(scheduled, starts, step)
-                self.scheduler.record_step(scheduled, num_generated)
-                outputs += self._outputs_of(touched)
-            if self.kv_connector is not None:
-                self._end_transfers(bool(scheduled))
-        if not scheduled:  # nothing else to run: wait for a grammar being compiled, if any, instead of spinning
-            self.structured_outputs.wait_while_compiling(GRAMMAR_WAIT_S)
-        if scheduled and self.profiler is not None and self.profiler.active:
-            decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
-            self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
-                                    time.perf_counter() - start)
+            scheduled = self._schedule()
+            result = self.step_runner.execute_and_sample(scheduled) if scheduled else None
+            new_tokens = self._update_from_output(scheduled, result)
+            outputs = self._process_outputs(new_tokens)
+        self._after_step(scheduled, started)
         return outputs
+
+    def _schedule(self) -> list[ScheduledRequest]:
+        """Requests whose grammar failed to compile fail; the scheduler picks the step; the connector starts pulling
+        the KV of the requests it admitted for that."""
+        self.structured_outputs.fail_bad_grammars(self._fail_sequence)
+        with scope("schedule"):
+            scheduled = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv(self.kv_connector.build_connector_meta())
+        return scheduled
+
+    def _update_from_output(self, scheduled: list[ScheduledRequest], result: RunnerOutput | None) -> dict:
+        """The requests' and the scheduler's state after the step: what failed fails, prompt logprobs are kept,
+        grammars take their tokens, each sequence gets its token (and the one after a verified draft), the drafter
+        drafts the next, and the KV transfers that ended are settled. Returns each sequence's new tokens, in order."""
+        new_tokens = {}
+        if result is not None:
+            self._fail_from(scheduled, result)
+            for request_id, entries in result.prompt_logprobs.items():
+                if request_id in self.outputs.states:
+                    self.outputs.states[request_id].add_prompt_logprobs(entries)
+            self.structured_outputs.accept(scheduled, result.sampled, self._fail_sequence)
+            advanced = self.scheduler.update_from_output(scheduled, {i: t.token_id for i, t in result.sampled.items()})
+            new_tokens = {r.request_id: [result.sampled[r.request_id]] for r in advanced}
+            if self.drafter is not None:
+                self._accept_drafts(scheduled, result, advanced, new_tokens)
+            self.scheduler.record_step(scheduled, sum(len(tokens) for tokens in new_tokens.values()))
+        if self.kv_connector is not None:
+            self._end_transfers(bool(scheduled))
+        return new_tokens
+
+    def _fail_from(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
+        """A forward pass that raised fails every user request in it; a sample that did, its own."""
+        if result.error is not None:
+            for parent_id in dict.fromkeys(self.outputs.parent_of(s.request).request_id for s in scheduled):
+                self._fail(parent_id, result.error)
+        requests = {s.request.request_id: s.request for s in scheduled}
+        for request_id, error in result.failures.items():
+            self._fail_sequence(requests[request_id], error)
+
+    def _accept_drafts(self, scheduled, result: RunnerOutput, advanced: list[Request], new_tokens: dict) -> None:
+        """The token after each verified draft joins its request, if its sampled token did not end it; then the MTP
+        layer drafts the next (spec_decode.py)."""
+        self.drafter.record(scheduled, result.sampled)
+        verified = [r for r in advanced if r.request_id in result.bonus and not r.finished]
+        self.scheduler.accept_drafts(verified, {r.request_id: result.bonus[r.request_id].token_id for r in verified})
+        for request in verified:
+            new_tokens[request.request_id].append(result.bonus[request.request_id])
+        if result.forward is not None:
+            self.drafter.draft(scheduled, result.starts, result.forward)
 
     def _end_transfers(self, stepped: bool) -> None:
         """After the forward pass: the connector's saves, then the transfers that ended (a pull the producer refused
@@ -263,144 +269,39 @@ class LLMEngine:
         for request, error in self.scheduler.update_from_connector(self.kv_connector.get_finished()):
             self._fail_sequence(request, error)
 
-    def _execute(self, scheduled: list[ScheduledRequest]) -> StepOutput | None:
-        """The forward pass: logits for the rows that want them; None (their requests failed) if it raises."""
-        chunks = [
-            SequenceChunk(
-                s.request.token_ids[s.request.num_computed_tokens:
-                                    s.request.num_computed_tokens + s.num_new_tokens - s.num_drafts] + list(s.drafts),
-                s.request.num_computed_tokens,
-                self.kv.block_ids(s.request),
-                s.wants_logits,
-                self._prompt_scoring(s),
-                s.num_drafts,
-            )
-            for s in scheduled
-        ]
-        try:
-            step = self.runner.execute(chunks)
-        except RankFailedError:
-            raise  # without every rank no step can run: the engine stops
-        except Exception as e:
-            log.exception("forward pass failed")
-            for parent_id in dict.fromkeys(self.outputs.parent_of(s.request).request_id for s in scheduled):
-                self._fail(parent_id, e)
-            self._failed_steps += 1
-            if self._failed_steps >= MAX_FAILED_STEPS:  # the device, not a request: stop the engine
-                raise RuntimeError(f"{self._failed_steps} forward passes in a row failed; last: {e!r}") from e
-            return None
-        self._failed_steps = 0
-        for s, scored in zip(scheduled, step.prompt_logprobs):
-            if scored is not None:
-                self.outputs.states[s.request.request_id].add_prompt_logprobs(scored)
-        return step
+    def _process_outputs(self, new_tokens: dict) -> list[RequestOutput]:
+        """Text and stop strings (the output processor), then one output per user request that changed: those
+        aborted since the last step first."""
+        aborted, self._aborted = self._aborted, []
+        return aborted + self.outputs.process(new_tokens, self._stop, self._fail_sequence, self._fail)
 
-    def _prompt_scoring(self, s: ScheduledRequest) -> PromptScoring | None:
-        """The prompt tokens this chunk scores: those its positions predict that have no logprob yet (so that a
-        recomputation after preemption does not score them twice)."""
-        request = s.request
-        if request.params.prompt_logprobs is None:
-            return None
-        scored = len(self.outputs.states[request.request_id].prompt_logprobs)  # the next prompt position to score
-        # position p predicts token p + 1: this chunk's positions that predict an unscored prompt token
-        first = max(request.num_computed_tokens, scored - 1)
-        last = min(request.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens - 1) - 1
-        if first > last:
-            return None
-        return PromptScoring(first - request.num_computed_tokens, request.token_ids[first + 1 : last + 2],
-                             request.params.prompt_logprobs)
+    def _stop(self, request: Request, stop_string: str, num_after: int) -> None:
+        """A stop string ended a sequence: tokens after it (a verified draft's next one) are not its own."""
+        del request.token_ids[len(request.token_ids) - num_after:]
+        if request.finished:  # (a token after the stop string ended it: its blocks are back already)
+            request.finish("stop", stop_string)
+        else:
+            self.scheduler.finish(request, "stop", stop_string)
 
-    def _sample_next(self, scheduled: list[ScheduledRequest], logits) -> dict[str, SampledToken]:
-        """The token after each sequence's last known one (which keeps its draft, if it has one, with the draft's
-        probability: spec_decode.py)."""
-        wanting = [s for s in scheduled if s.wants_logits]
-        return self._sample([s.request for s in wanting], logits, [s.drafts[0] if s.drafts else None for s in wanting])
-
-    def _sample(self, requests: list[Request], logits, drafts: list[int | None] | None = None) -> dict[str, SampledToken]:
-        """Sequence request id -> its sampled token, a row of logits each. If the batch fails, each row is sampled
-        alone, and only the rows that fail again fail their requests."""
-        if not requests:
-            return {}
-        drafts = drafts or [None] * len(requests)
-        with scope("sample"):
-            # a failed batch may have drawn from seeded generators: rewind them, so seeded samples stay the same
-            seeded = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
-            try:
-                return {r.request_id: token for r, token in zip(requests, sample(logits, requests, drafts))}
-            except Exception:
-                log.exception("sampling a batch failed; sampling its rows one by one")
-            for generator, state in seeded:
-                generator.set_state(state)
-            sampled = {}
-            for row, request in enumerate(requests):
-                try:
-                    [sampled[request.request_id]] = sample(logits[row : row + 1], [request], drafts[row : row + 1])
-                except Exception as e:
-                    self._fail_sequence(request, e)
-            return sampled
-
-    def _take_verified_drafts(self, scheduled, step: StepOutput, sampled: dict[str, SampledToken], touched) -> int:
-        """Each request whose sampled token verified its draft gets the token sampled after the draft too; returns
-        how many did."""
-        verified = self.drafter.verified(scheduled, sampled)
-        if not verified:
-            return 0
-        requests = [request for request, _ in verified]
-        bonus = self._sample(requests, step.draft_logits[torch.tensor([row for _, row in verified])])
-        advanced = [r for r in requests if r.request_id in bonus and not r.finished]  # (a sibling's failure ends it)
-        self.scheduler.accept_drafts(advanced, {i: t.token_id for i, t in bonus.items()})
-        touched.update(self._detokenize(advanced, bonus))
-        return len(advanced)
-
-    def _detokenize(self, advanced: list[Request], sampled: dict[str, SampledToken]) -> dict:
-        """Detokenize and check stop strings for each sequence that got a token; their user requests, by id."""
-        touched = {}
-        for request in advanced:
-            if request.request_id not in self.outputs.states:
-                continue  # a sibling's failure ended its user request
-            parent = self.outputs.parent_of(request)
-            try:
-                stop_string = self.outputs.add_token(request, sampled[request.request_id])
-                if stop_string is not None:
-                    self.scheduler.finish(request, "stop", stop_string)
-                touched[parent.request_id] = parent
-            except Exception as e:
-                self._fail_sequence(request, e)
-        return touched
-
-    def _outputs_of(self, touched: dict) -> list[RequestOutput]:
-        """One output per user request that changed this step."""
-        outputs = []
-        for parent in touched.values():
-            if parent.request_id not in self.outputs.parents:
-                continue  # failed meanwhile (a sibling's error)
-            try:
-                outputs.append(parent.output())
-            except Exception as e:
-                self._fail(parent.request_id, e)
-                continue
-            if parent.finished:
-                self.outputs.pop(parent.request_id)
-        return outputs
+    def _after_step(self, scheduled: list[ScheduledRequest], started: float) -> None:
+        """With nothing to run, wait for a grammar being compiled (if any) instead of spinning; profile the step."""
+        if not scheduled:
+            self.structured_outputs.wait_while_compiling(GRAMMAR_WAIT_S)
+        elif self.profiler is not None and self.profiler.active:
+            decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
+            self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
+                                    time.perf_counter() - started)
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading) + len(self.scheduler.loaded),
-            kv_cache_usage=self.kv.usage,
-            prefix_cache_hit_rate=self.kv.prefix_hit_rate,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_computed_tokens=self.scheduler.num_computed_tokens,
-            num_prompt_tokens=self.scheduler.num_prompt_tokens,
-            num_generation_tokens=self.scheduler.num_generation_tokens,
-            num_steps=self.scheduler.num_steps,
-            kv_cache_waste=self.scheduler.kv_cache_waste,
-            num_kv_blocks=self.kv.num_blocks,
-            expert_load=self.model.expert_load(),
-            spec_decode=None if self.drafter is None else self.drafter.stats.copy(),
-            kv_transfer=None if self.kv_connector is None else self.kv_connector.stats.copy(),
-            num_transferring=len(self.scheduler.loading) + len(self.scheduler.sending),
-        )
+        return collect_stats(self.scheduler, self.kv, self.model, self.drafter, self.kv_connector)
+
+    def engine_info(self) -> EngineInfo:
+        return EngineInfo(str(self.platform.device), self.platform.name, self.kv.num_blocks,
+                          str(self.model.dtype).removeprefix("torch."))
+
+    def unfinished_ids(self) -> list[str]:
+        """The user requests not finished yet."""
+        return list(self.outputs.parents)
 
 
 def _release(workers, runner: ModelRunner, kv_connector: KVConnector | None) -> None:

@@ -8,6 +8,7 @@ sequences it has. State is keyed by request id.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -31,19 +32,22 @@ class RequestState:
         self.token_text = token_text
         self.cumulative_logprob = 0.0
 
-    def add(self, sampled: SampledToken) -> str | None:
-        """Take the sequence's new token; returns the stop string it completed, if any."""
+    def add(self, sampled: SampledToken, num_after: int = 0) -> str | None:
+        """Take one of the sequence's new tokens (num_after of them come after it, already appended by the
+        scheduler); returns the stop string it completed, if any."""
         request = self.request
         if self.logprobs is not None:
             for token_id, logprob in sampled.logprobs.items():  # each token's own text, as vLLM gives it
                 logprob.decoded_token = self.token_text(token_id)
             self.logprobs.append(sampled.logprobs)
             self.cumulative_logprob += sampled.logprob
-        stopped_by_token = request.finished and request.finish_reason == "stop"
+        stopped_by_token = num_after == 0 and request.finished and request.finish_reason == "stop"
         if stopped_by_token and not request.params.include_stop_str_in_output:
             return None  # the stop token's text is not part of the output
-        with scope("detokenize"):  # a sequence a stop token ended is not also ended by a stop string
-            return self.detokenizer.add_token(sampled.token_id, check_stop=request.can_stop and not stopped_by_token)
+        # (only past min_tokens do stop strings count; a sequence a stop token ended is not also ended by one)
+        can_stop = request.num_output_tokens - num_after > request.params.min_tokens and not stopped_by_token
+        with scope("detokenize"):
+            return self.detokenizer.add_token(sampled.token_id, check_stop=can_stop)
 
     def add_prompt_logprobs(self, entries: list[dict[int, Logprob]]) -> None:
         """The next prompt tokens' logprobs, from one chunk (each token's own text, as for the sampled ones)."""
@@ -51,6 +55,7 @@ class RequestState:
             for token_id, logprob in entry.items():
                 logprob.decoded_token = self.token_text(token_id)
         self.prompt_logprobs += entries
+        self.request.num_scored_prompt_tokens += len(entries)
 
     @property
     def prompt_scored(self) -> bool:
@@ -101,7 +106,7 @@ class ParentRequest:
         scorer = self.states[0]  # (the sequence that scores the prompt, if asked)
         prompt_logprobs = list(scorer.prompt_logprobs) if scorer.prompt_scored else None
         return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, self.finished, metrics,
-                             prompt_logprobs, first.kv_transfer_params_out)
+                             prompt_logprobs, first.kv_transfer_params_out, first.max_tokens)
 
 
 class OutputProcessor:
@@ -135,6 +140,36 @@ class OutputProcessor:
     def parent_of(self, child: Request) -> ParentRequest:
         return self.states[child.request_id].parent
 
-    def add_token(self, child: Request, sampled: SampledToken) -> str | None:
-        """A sequence's new token (already appended by the scheduler); returns the stop string it completed."""
-        return self.states[child.request_id].add(sampled)
+    def process(self, new_tokens: dict[str, list[SampledToken]], stop: Callable[[Request, str, int], None],
+                fail_sequence: Callable[[Request, BaseException], None],
+                fail: Callable[[str, BaseException], None]) -> list[RequestOutput]:
+        """Each sequence's new tokens (already appended by the scheduler) detokenized, in order, until a stop
+        string ends it (stop(request, stop_string, tokens after it)); then one output per user request that changed,
+        and those finished forgotten. A sequence whose text fails fails its user request (fail_sequence); a user
+        request whose output fails, itself (fail); the others go on."""
+        touched = {}
+        for request_id, tokens in new_tokens.items():
+            state = self.states.get(request_id)
+            if state is None:
+                continue  # a sibling's failure ended its user request
+            try:
+                for i, token in enumerate(tokens):
+                    stop_string = state.add(token, num_after=len(tokens) - 1 - i)
+                    if stop_string is not None:
+                        stop(state.request, stop_string, len(tokens) - 1 - i)
+                        break
+                touched[state.parent.request_id] = state.parent
+            except Exception as e:
+                fail_sequence(state.request, e)
+        outputs = []
+        for parent in touched.values():
+            if parent.request_id not in self.parents:
+                continue  # failed meanwhile (a sibling's error)
+            try:
+                outputs.append(parent.output())
+            except Exception as e:
+                fail(parent.request_id, e)
+                continue
+            if parent.finished:
+                self.pop(parent.request_id)
+        return outputs

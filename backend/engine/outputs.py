@@ -53,3 +53,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # a finished prefill on a kv_producer: what a decode engine needs to pull its KV (backend/engine/kv_transfer/)
     kv_transfer_params: dict | None = None
+    max_tokens: int | None = None  # resolved: SamplingParams.max_tokens, or what max_model_len leaves the prompt

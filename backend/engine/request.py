@@ -45,6 +45,9 @@ class Request:
         self.finish_time: float | None = None
         self.grammar = None  # a SequenceGrammar when params.structured_outputs asks for one (set by the engine)
         self.draft_token_ids: list[int] = []  # speculative decoding: tokens drafted after the last one, to verify
+        # with prompt_logprobs: prompt tokens scored so far (the first has no logprob, so it counts as scored), so
+        # that a recomputation after preemption does not score them again
+        self.num_scored_prompt_tokens = 1
         # disaggregated prefill: what the request came with (dropped once its KV is pulled, or given up on), and the
         # params a producer returns for the consumer (backend/engine/kv_transfer/)
         self.kv_transfer_params = params.kv_transfer_params

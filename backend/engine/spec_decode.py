@@ -45,23 +45,16 @@ class MTPDrafter:
         self.runner, self.kv = runner, kv
         self.stats = SpecDecodeStats()
 
-    def verified(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken]) -> list[tuple]:
-        """(request, its row in the step's draft logits) for each request whose sampled token is its draft and that
-        still runs; counted in the metrics."""
-        verified, row = [], 0
+    def record(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken]) -> None:
+        """Count the step's drafts, and those its sampled tokens verified."""
         for s in scheduled:
-            if not s.num_drafts:  # (a drafted chunk is a decode: it always wants logits)
-                continue
-            self.stats.num_drafts += 1
-            self.stats.num_draft_tokens += s.num_drafts
-            token = sampled.get(s.request.request_id)
-            if token is not None and token.token_id == s.drafts[0]:
-                self.stats.num_accepted_tokens += 1
-                self.stats.num_accepted_tokens_per_pos[0] += 1
-                if not s.request.finished:
-                    verified.append((s.request, row))
-            row += s.num_drafts
-        return verified
+            if s.num_drafts:
+                self.stats.num_drafts += 1
+                self.stats.num_draft_tokens += s.num_drafts
+                token = sampled.get(s.request.request_id)
+                if token is not None and token.token_id == s.drafts[0]:
+                    self.stats.num_accepted_tokens += 1
+                    self.stats.num_accepted_tokens_per_pos[0] += 1
 
     def draft(self, scheduled: list[ScheduledRequest], starts: list[int], step: StepOutput) -> None:
         """The MTP pass over what each scheduled request computed and kept this step (from starts[i] on); the next
