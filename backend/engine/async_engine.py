@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from backend.config import EngineConfig
-from backend.engine.engine import EngineStats, LLMEngine
+from backend.engine.engine import LLMEngine
+from backend.engine.stats import EngineInfo, EngineStats
 from backend.engine.input_processor import PromptType
 from backend.engine.profiler import ProfileResult
 from backend.engine.outputs import RequestOutput
@@ -46,6 +47,31 @@ class _Stream:
             pass
 
 
+# The commands the step thread takes, in the order they were sent.
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams | None
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    stream: _Stream | None  # the stream that asks; None: whichever reads the request
+
+
+@dataclass
+class _Call:
+    future: asyncio.Future
+    method: Callable[[LLMEngine], object]
+
+
+class _Stop:
+    pass
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None):
         """on_dead(error) is called (on the step thread) if that thread ever stops on an error."""
@@ -55,6 +81,7 @@ class AsyncEngine:
         self._routes: dict[str, _Stream] = {}  # step thread only: request id -> the stream that reads it
         self._ids = itertools.count()
         self._stats = engine.stats()
+        self._info = engine.engine_info()
         self._stopping = False
         self._lock = threading.Lock()  # a command is either queued before the thread stops (or dies), or refused
         self.dead_error: BaseException | None = None
@@ -73,6 +100,15 @@ class AsyncEngine:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def iteration_tokens(self):
+        """Tokens of each recent step (a deque the step thread appends to; vllm:iteration_tokens_total drains it)."""
+        return self.engine.iteration_tokens
 
     @property
     def is_running(self) -> bool:
@@ -96,7 +132,7 @@ class AsyncEngine:
         self._check_accepting()
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._send(("add", request_id, prompt, sampling_params, stream))
+        self._send(_Add(request_id, prompt, sampling_params, stream))
         finished = False
         try:
             while True:
@@ -110,7 +146,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # abort it, unless its id already belongs to a newer request
-                self._send(("abort", request_id, stream), quiet=True)
+                self._send(_Abort(request_id, stream), quiet=True)
 
     async def start_profile(self) -> None:
         await self._call(LLMEngine.start_profile)
@@ -122,18 +158,18 @@ class AsyncEngine:
         """method(engine) on the step thread, between two steps; its result or exception comes back here."""
         self._check_accepting()
         future = asyncio.get_running_loop().create_future()
-        self._send(("call", future, method))
+        self._send(_Call(future, method))
         return await future
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its stream (if still read) ends with finish_reason "abort"."""
-        self._send(("abort", request_id, None), quiet=True)
+        self._send(_Abort(request_id, None), quiet=True)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the step thread."""
         with self._lock:
             if not self._stopping and self.dead_error is None:
-                self._commands.put(("stop",))
+                self._commands.put(_Stop())
             self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
@@ -152,7 +188,7 @@ class AsyncEngine:
         if error is not None:
             raise error
 
-    def _send(self, command: tuple, quiet: bool = False) -> None:
+    def _send(self, command, quiet: bool = False) -> None:
         with self._lock:
             error = self._unavailable()
             if error is not None:
@@ -190,7 +226,7 @@ class AsyncEngine:
             for request_id, error in engine.take_failures().items():
                 self._deliver(request_id, error)
             self._stats = engine.stats()
-        for request_id in list(engine.outputs.parents):
+        for request_id in engine.unfinished_ids():
             self._deliver(request_id, engine.abort_request(request_id, emit_output=False))
         self._stats = engine.stats()
 
@@ -216,10 +252,10 @@ class AsyncEngine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     return
-                if command[0] == "add":
-                    command[4].put(error)
-                elif command[0] == "call":
-                    self._settle(command[1], error, failed=True)
+                if isinstance(command, _Add):
+                    command.stream.put(error)
+                elif isinstance(command, _Call):
+                    self._settle(command.future, error, failed=True)
 
     def _drain_commands(self) -> bool:
         while True:
@@ -227,26 +263,25 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
-            kind = command[0]
-            if kind == "stop":
+            if isinstance(command, _Stop):
                 return False
-            if kind == "call":
-                self._answer(command[1], command[2])
-            elif kind == "abort":
-                self._abort(command[1], command[2])
-            elif kind == "add":
-                self._add(*command[1:])
+            if isinstance(command, _Call):
+                self._answer(command.future, command.method)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id, command.stream)
+            else:
+                self._add(command)
 
-    def _add(self, request_id: str, prompt, params, stream: _Stream) -> None:
-        if request_id in self._routes:
-            stream.put(ValueError(f"request_id {request_id!r} is already in use"))
+    def _add(self, command: _Add) -> None:
+        if command.request_id in self._routes:
+            command.stream.put(ValueError(f"request_id {command.request_id!r} is already in use"))
             return
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(command.request_id, command.prompt, command.params)
         except Exception as e:  # ValueError: a request that can never run
-            stream.put(e)
+            command.stream.put(e)
             return
-        self._routes[request_id] = stream
+        self._routes[command.request_id] = command.stream
 
     def _abort(self, request_id: str, stream: _Stream | None) -> None:
         route = self._routes.get(request_id)

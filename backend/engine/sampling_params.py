@@ -103,18 +103,6 @@ class SamplingParams(BaseModel):
     # disaggregated prefill (docs/disaggregation.md): set by the proxy, vLLM's keys
     kv_transfer_params: KVTransferParams | None = None
 
-    @field_validator("structured_outputs", "kv_transfer_params", mode="before")
-    @classmethod
-    def _object_from_text(cls, value, info):
-        """Triton's vllm_backend passes structured_outputs as JSON text, and a Triton request parameter carries
-        kv_transfer_params as JSON text."""
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{info.field_name} is not valid JSON: {e}") from None
-        return value
-
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop_string(cls, value):

@@ -10,7 +10,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.triton.contract import ADMIN_PARAMETER, ENGINE_UNAVAILABLE, INVALID_REQUEST, KV_TRANSFER_PARAMETER
+from backend.engine.sampling_params import SamplingParams
+from backend.triton.contract import ADMIN_PARAMETER, ENGINE_UNAVAILABLE, INVALID_REQUEST, sampling_parameters_json
 
 
 class TritonUnavailable(RuntimeError):
@@ -65,21 +66,20 @@ class TritonClient:
     async def close(self) -> None:
         await self._client.close()
 
-    async def generate(self, prompt: str, parameters: dict, stream: bool, logprobs: bool, request_id: str,
-                       prompt_token_ids: list[int] | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt: str, params: SamplingParams, stream: bool, request_id: str,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[Chunk]:
         """Responses of one request (the completion only, never the prompt); leaving the iteration early cancels
         it on the server. With prompt_token_ids the engine gets those ids as they are, and `prompt` is their text.
-        kv_transfer_params travel as the Triton request parameter of that name (disaggregated prefill)."""
+        params travel whole, kv_transfer_params included, as the sampling_parameters input."""
         inputs = [
             infer_input("text_input", prompt.encode()),
-            infer_input("sampling_parameters", json.dumps(parameters).encode()),
+            infer_input("sampling_parameters", sampling_parameters_json(params).encode()),
             infer_input("stream", stream),
             infer_input("exclude_input_in_output", True),
             infer_input("return_finish_reason", True),
             infer_input("return_num_input_tokens", True),
             infer_input("return_num_output_tokens", True),
-            infer_input("return_logprobs", logprobs),
+            infer_input("return_logprobs", params.logprobs is not None),
         ]
         if prompt_token_ids is not None:
             ids = grpcclient.InferInput("prompt_token_ids", [len(prompt_token_ids)], "INT64")
@@ -87,8 +87,6 @@ class TritonClient:
             inputs.append(ids)
 
         request = {"model_name": self.model, "inputs": inputs, "request_id": request_id}
-        if kv_transfer_params is not None:
-            request["parameters"] = {KV_TRANSFER_PARAMETER: json.dumps(kv_transfer_params)}
 
         async def requests():
             yield request

@@ -156,7 +156,7 @@ class SamplingFields(OpenAIModel):
             "stop": self.stop, "logprobs": logprobs, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "prompt_logprobs": self.prompt_logprobs,
-            "structured_outputs": constraint.model_dump(by_alias=True, exclude_none=True) if constraint else None,
+            "structured_outputs": constraint,
             "kv_transfer_params": self.kv_transfer_params,
         }
         values = {k: v for k, v in values.items() if v is not None}

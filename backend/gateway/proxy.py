@@ -13,14 +13,15 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 
+from backend.engine.kv_transfer.params import KVTransferParams
+from backend.engine.sampling_params import SamplingParams
 from backend.gateway.client import Chunk, TritonClient, TritonUnavailable
 
 log = logging.getLogger(__name__)
 
 # What a prefill asks for: one token (which the decode server samples again, as vLLM's consumer does), the prompt's
 # blocks kept for a consumer.
-PREFILL_PARAMETERS = {"max_tokens": 1}
-REMOTE_DECODE = {"do_remote_decode": True}
+PREFILL = SamplingParams(max_tokens=1, kv_transfer_params=KVTransferParams(do_remote_decode=True))
 
 
 class ServerPool:
@@ -63,21 +64,20 @@ class DisaggregatedClient:
         for client in self.prefill.clients + self.decode.clients:
             await client.close()
 
-    async def generate(self, prompt: str, parameters: dict, stream: bool, logprobs: bool, request_id: str,
-                       prompt_token_ids: list[int] | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt: str, params: SamplingParams, stream: bool, request_id: str,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[Chunk]:
         """The decode server's responses, after a prefill elsewhere: the least loaded decode server that answers.
         A request the consumer side cannot take from a remote prefill (several samples, prompt logprobs) is decoded
         where it is prefilled: on a decode server."""
-        if kv_transfer_params is None and parameters.get("n", 1) == 1 and parameters.get("prompt_logprobs") is None:
-            kv_transfer_params = await self._prefill(prompt, request_id, prompt_token_ids)
+        if params.kv_transfer_params is None and params.n == 1 and params.prompt_logprobs is None:
+            params = _with_transfer(params, await self._prefill(prompt, request_id, prompt_token_ids))
         unavailable = None
         for decode in self.decode.by_load():
             answered = False
             try:
                 with self.decode.busy(decode):
-                    async with contextlib.aclosing(decode.generate(prompt, parameters, stream, logprobs, request_id,
-                                                                   prompt_token_ids, kv_transfer_params)) as responses:
+                    async with contextlib.aclosing(decode.generate(prompt, params, stream, request_id,
+                                                                   prompt_token_ids)) as responses:
                         async for chunk in responses:
                             answered = True
                             yield chunk
@@ -87,7 +87,7 @@ class DisaggregatedClient:
                     raise
                 log.warning("decode server %s is unavailable (%s); trying the next", decode.url, e)
                 unavailable = e
-                kv_transfer_params = None  # (it may have pulled them already: the next one prefills itself)
+                params = _with_transfer(params, None)  # (it may have pulled them already: the next one prefills itself)
         raise unavailable
 
     async def _prefill(self, prompt: str, request_id: str, prompt_token_ids: list[int] | None) -> dict | None:
@@ -96,9 +96,8 @@ class DisaggregatedClient:
         for client in self.prefill.by_load():
             try:
                 with self.prefill.busy(client):
-                    async with contextlib.aclosing(client.generate(prompt, PREFILL_PARAMETERS, False, False,
-                                                                   f"{request_id}-prefill", prompt_token_ids,
-                                                                   REMOTE_DECODE)) as responses:
+                    async with contextlib.aclosing(client.generate(prompt, PREFILL, False, f"{request_id}-prefill",
+                                                                   prompt_token_ids)) as responses:
                         async for chunk in responses:
                             if chunk.final:
                                 return chunk.kv_transfer_params
@@ -112,3 +111,9 @@ class DisaggregatedClient:
         if action == "engine_info":
             return await self.decode.clients[0].admin(action)
         return {client.url: await client.admin(action) for client in self.prefill.clients + self.decode.clients}
+
+
+def _with_transfer(params: SamplingParams, transfer: dict | None) -> SamplingParams:
+    """params with these kv_transfer_params (a prefill's answer, checked as the engine checks them), or none."""
+    return params.model_copy(update={"kv_transfer_params": None if transfer is None
+                                     else KVTransferParams.model_validate(transfer)})

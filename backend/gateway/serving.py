@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from backend.engine.sampling_params import SamplingParams
 from backend.gateway.client import Chunk, TritonClient
 from backend.gateway.errors import ApiError, triton_errors
+from backend.gateway.request_body import validate
 
 
 class GatewayMetrics:
@@ -63,12 +65,10 @@ class Serving:
     # they name other engines' blocks
     allow_kv_transfer_params: bool = False
 
-    async def start(self, endpoint: str, started: float, prompt: str, parameters: dict, stream: bool, logprobs: bool,
+    async def start(self, endpoint: str, started: float, prompt: str, parameters: dict, stream: bool,
                     request_id: str, prompt_token_ids: list[int] | None = None) -> tuple[Chunk, AsyncIterator[Chunk]]:
         """Send the request to Triton and wait for its first response (the engine's verdict on it)."""
-        transfer = parameters.pop("kv_transfer_params", None)
-        transfer = transfer if self.allow_kv_transfer_params else None
-        responses = self.triton.generate(prompt, parameters, stream, logprobs, request_id, prompt_token_ids, transfer)
+        responses = self.triton.generate(prompt, self.sampling_params(parameters), stream, request_id, prompt_token_ids)
         with triton_errors():
             try:
                 first = await anext(responses)
@@ -76,6 +76,14 @@ class Serving:
                 raise ApiError(500, "Triton closed the stream without a response", "internal_error") from None
         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started)
         return first, responses
+
+    def sampling_params(self, parameters: dict) -> SamplingParams:
+        """The engine's SamplingParams of a request's fields: the one shape it travels in, to Triton and on to the
+        engine (a 400 naming the field the engine would refuse). A client's kv_transfer_params are dropped unless
+        the gateway passes them on."""
+        if not self.allow_kv_transfer_params:
+            parameters = {k: v for k, v in parameters.items() if k != "kv_transfer_params"}
+        return validate(SamplingParams, parameters)
 
     @staticmethod
     async def relay(chunk: Chunk, responses, totals: Totals | None = None) -> AsyncIterator[Chunk]:

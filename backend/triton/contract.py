@@ -58,9 +58,11 @@ OUTPUTS = [
     {"name": "kv_transfer_params", "data_type": "TYPE_STRING", "dims": [1]},
 ]
 
-# The Triton request parameter that carries a request's kv_transfer_params (JSON text or object), set by the
-# disaggregation proxy (backend/gateway/proxy.py), as vLLM's proxy sets the request field of that name.
+# A request without the sampling_parameters input (Triton's HTTP generate endpoint) gives its sampling parameters as
+# request parameters, where kv_transfer_params (disaggregated prefill) are JSON text under this name.
 KV_TRANSFER_PARAMETER = "kv_transfer_params"
+# vllm_backend's clients send these as JSON text inside the sampling parameters: decoded here, once.
+JSON_TEXT_FIELDS = ("structured_outputs", KV_TRANSFER_PARAMETER)
 
 
 @dataclass
@@ -88,20 +90,27 @@ def _scalar(value: np.ndarray | None):
     return None if value is None else value.reshape(-1)[0]
 
 
-def admin_action(request_parameters: str | None) -> str | None:
+def sampling_parameters_json(params: SamplingParams) -> str:
+    """The sampling_parameters input of a request, as the gateway sends it: every field the request sets (a default
+    left out; max_tokens None, "up to max_model_len", is not the default and crosses), in vLLM's names."""
+    return json.dumps(params.model_dump(mode="json", by_alias=True, exclude_defaults=True))
+
+
+def request_parameters(raw: str | None) -> dict:
+    """Triton's request parameters (its JSON text), decoded once for everything that reads them."""
+    return _json_object(raw or "{}", "request parameters")
+
+
+def admin_action(parameters: dict) -> str | None:
     """The admin action a request asks for, or None for an ordinary generation request."""
-    try:
-        values = json.loads(request_parameters or "{}")
-    except json.JSONDecodeError:
-        return None  # parse_request names the problem
-    action = values.get(ADMIN_PARAMETER) if isinstance(values, dict) else None
+    action = parameters.get(ADMIN_PARAMETER)
     if action is not None and action not in ADMIN_ACTIONS:
         raise ValueError(f"{ADMIN_PARAMETER} must be one of {', '.join(ADMIN_ACTIONS)}; got {action!r}")
     return action
 
 
-def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str | None) -> ParsedRequest:
-    """inputs: the contract's input tensors by name (None when absent); request_parameters: Triton's JSON.
+def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict) -> ParsedRequest:
+    """inputs: the contract's input tensors by name (None when absent); parameters: Triton's request parameters.
 
     Raises ValueError with a message naming what is wrong.
     """
@@ -115,14 +124,15 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
     ids = inputs.get("prompt_token_ids")
     prompt_token_ids = None if ids is None else [int(t) for t in ids.reshape(-1)]
 
-    # Sampling parameters come as a JSON string input, or (generate endpoint) as request parameters.
+    # Sampling parameters come as a JSON string input, or (generate endpoint) as request parameters: one or the
+    # other, as vllm_backend reads them, never merged.
     raw = _scalar(inputs.get("sampling_parameters"))
-    values = _json_object(raw, "sampling_parameters") if raw is not None else {}
-    parameters = _json_object(request_parameters or "{}", "request parameters")
     if raw is None:
-        values = parameters
-    elif KV_TRANSFER_PARAMETER in parameters:
-        values[KV_TRANSFER_PARAMETER] = parameters[KV_TRANSFER_PARAMETER]
+        values = dict(parameters)
+    else:
+        values = _json_object(raw, "sampling_parameters")
+        if KV_TRANSFER_PARAMETER in parameters:
+            raise ValueError(f"{KV_TRANSFER_PARAMETER} belong inside the sampling_parameters input when it is given")
 
     stream_input = _scalar(inputs.get("stream"))
     stream_param = values.pop("stream", False)
@@ -135,6 +145,7 @@ def parse_request(inputs: dict[str, np.ndarray | None], request_parameters: str 
     if stream and flags["exclude_input_in_output"] is False:
         raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
     flags = {name: bool(value) for name, value in flags.items()}
+    _objects_from_text(values)
     _from_guided_decoding(values)
     try:
         params = SamplingParams(**values)
@@ -157,6 +168,16 @@ def _json_object(raw: str | bytes, source: str) -> dict:
 
 # guided_decoding.backend values vllm_backend lets through (it maps them all to xgrammar, as we do)
 XGRAMMAR_BACKENDS = ("xgrammar", "xgrammar:no-fallback", "auto", "xgrammar:_auto")
+
+
+def _objects_from_text(values: dict) -> None:
+    """The fields vllm_backend's clients send as JSON text (JSON_TEXT_FIELDS), as objects, in place."""
+    for name in JSON_TEXT_FIELDS:
+        if isinstance(values.get(name), str):
+            try:
+                values[name] = json.loads(values[name])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name} is not valid JSON: {e}") from None
 
 
 def _from_guided_decoding(values: dict) -> None:

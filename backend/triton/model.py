@@ -35,6 +35,7 @@ from backend.triton.contract import (
     ParsedRequest,
     admin_action,
     parse_request,
+    request_parameters,
     response_tensors,
 )
 from backend.triton.instances import engine_config, instance_place
@@ -102,7 +103,7 @@ class TritonPythonModel:
         self._health_check = _bool_parameter(params, "ENABLE_VLLM_HEALTH_CHECK", default=True)
         self.engine = AsyncEngine.from_config(config, on_dead=self._engine_died)
         self.logger.log_info(f"[npu-llm] engine {index} of {count} ready: {config.model} on "
-                             f"{self.engine.engine.platform.device} ({model_json.layout})")
+                             f"{self.engine.info.device} ({model_json.layout})")
 
         self.metrics = None
         if _bool_parameter(params, "REPORT_CUSTOM_METRICS", default=False) and not model_json.disable_log_stats:
@@ -110,15 +111,14 @@ class TritonPythonModel:
             labels = {"model": args["model_name"], "version": args["model_version"]}
             if count > 1:
                 labels["engine"] = str(index)
-            info = {"engine_model": config.model, "device": str(self.engine.engine.platform.device),
-                    "layout": model_json.layout}
-            engine = self.engine.engine
-            cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(engine.kv.num_blocks),
+            engine_info = self.engine.info
+            info = {"engine_model": config.model, "device": engine_info.device, "layout": model_json.layout}
+            cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(engine_info.num_kv_blocks),
                           "enable_prefix_caching": str(config.enable_prefix_caching),
-                          "cache_dtype": str(engine.model.dtype).removeprefix("torch."),
+                          "cache_dtype": engine_info.kv_cache_dtype,
                           "gpu_memory_utilization": str(config.gpu_memory_utilization)}
             self.metrics = VllmMetrics(pb_utils, labels, self.engine.stats, info, config.max_model_len, cache_info,
-                                       _drain(engine.iteration_tokens))
+                                       _drain(self.engine.iteration_tokens))
 
         self._ids = itertools.count()
         self._inflight: set[asyncio.Future] = set()
@@ -168,7 +168,8 @@ class TritonPythonModel:
 
     async def _serve_request(self, request, sender: _Sender) -> None:
         try:
-            action = admin_action(request.parameters())
+            parameters = request_parameters(request.parameters())
+            action = admin_action(parameters)
         except ValueError as e:
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
@@ -180,7 +181,7 @@ class TritonPythonModel:
             for spec in INPUTS:
                 tensor = pb_utils.get_input_tensor_by_name(request, spec["name"])
                 inputs[spec["name"]] = None if tensor is None else tensor.as_numpy()
-            parsed = parse_request(inputs, request.parameters())
+            parsed = parse_request(inputs, parameters)
         except ValueError as e:
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
@@ -246,7 +247,7 @@ class TritonPythonModel:
         self.metrics.record(RequestRecord(
             prompt_tokens=prompt_len, generation_tokens=generated,
             ttft_s=span(m.arrival_time, m.first_token_time), e2e_s=end - m.arrival_time, n=parsed.params.n,
-            max_tokens=parsed.params.max_tokens or self.engine.config.max_model_len - prompt_len,
+            max_tokens=output.max_tokens,
             finish_reasons=tuple((c.finish_reason or "abort") if cancelled else str(c.finish_reason)
                                  for c in output.outputs),
             queue_s=span(m.arrival_time, m.scheduled_time), prefill_s=span(m.scheduled_time, m.first_token_time),
@@ -301,10 +302,10 @@ class TritonPythonModel:
         self._sender_thread.join(5)
         if self.metrics is not None:
             self.metrics.close()
-        platform = self.engine.engine.platform
+        platform = self.engine.info.platform
         del self.engine
         gc.collect()
-        if platform.name == "cuda":
+        if platform == "cuda":
             import torch
 
             torch.cuda.empty_cache()
