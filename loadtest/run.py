@@ -38,7 +38,7 @@ def run_loadtest(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stack = contextlib.nullcontext()
     if args.start_stack:
-        from backend.up import running_stack
+        from backend.entrypoints.up import running_stack
 
         stack = running_stack(args, with_ui=False)
     with stack:
@@ -51,7 +51,7 @@ def _soak(args, out: Path) -> int:
     """The load, watched: non-zero exit on errors, memory growth or KV blocks held afterwards (loadtest/soak.py)."""
     import json
 
-    from backend.serve import client_host
+    from backend.entrypoints.serve import client_host
     from loadtest.soak import SoakLimits, SoakMonitor, verdict, write_verdict
 
     limits = SoakLimits(warm_up_s=args.soak_warm_up)

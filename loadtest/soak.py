@@ -85,7 +85,7 @@ def stack_processes(ports: list[int]) -> dict[str, psutil.Process]:
 def _name(process: psutil.Process) -> str:
     cmdline = " ".join(process.cmdline())
     for marker, name in (("triton_python_backend_stub", "engine (python stub)"), ("tritonserver", "tritonserver"),
-                         ("gateway", "gateway"), ("backend.cli ui", "ui")):
+                         ("gateway", "gateway"), ("backend.entrypoints.cli ui", "ui")):
         if marker in cmdline:
             return name
     return process.name()

@@ -350,7 +350,7 @@ def served_by_triton(engine_args: dict, log_path):
     """A real tritonserver serving model_repository (a run copy with engine_args) for the block; stopped after."""
     import shutil
 
-    from backend.serve import start_server, stop_process_group, wait_ready
+    from backend.entrypoints.serve import start_server, stop_process_group, wait_ready
     from backend.triton.launcher import DEFAULT_REPOSITORY
 
     ports = free_port(), free_port(), free_port()
@@ -398,10 +398,10 @@ def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None
     import subprocess
     import sys
 
-    from backend.serve import wait_http
+    from backend.entrypoints.serve import wait_http
     from backend.triton.launcher import LaunchError
 
-    argv = [sys.executable, "-m", "backend.cli", "gateway", "--triton-url", triton_grpc_url, "--port", str(port),
+    argv = [sys.executable, "-m", "backend.entrypoints.cli", "gateway", "--triton-url", triton_grpc_url, "--port", str(port),
             "--max-body-bytes", "200000", *extra_args]
     if api_key:
         argv += ["--api-key", api_key]

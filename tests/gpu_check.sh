@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 nvidia-smi --query-gpu=name,memory.total --format=csv
 "$PY" -m pytest -m cuda -q -p no:cacheprovider
-"$PY" -m backend.cli verify --device cuda --dtype bfloat16
-"$PY" -m backend.cli bench throughput --device cuda --dtype bfloat16 --num-prompts 64 --input-len 64:512 \
+"$PY" -m backend.entrypoints.cli verify --device cuda --dtype bfloat16
+"$PY" -m backend.entrypoints.cli bench throughput --device cuda --dtype bfloat16 --num-prompts 64 --input-len 64:512 \
     --output-len 128 --gpu-memory-utilization 0.5
-"$PY" -m backend.cli bench throughput --device cuda --dtype bfloat16 --num-prompts 64 --input-len 64:512 \
+"$PY" -m backend.entrypoints.cli bench throughput --device cuda --dtype bfloat16 --num-prompts 64 --input-len 64:512 \
     --output-len 128 --gpu-memory-utilization 0.5 --no-enforce-eager --baseline none

@@ -13,7 +13,7 @@ from tests.conftest import SMALL_KV_CACHE
 
 
 def _npu_llm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "backend.entrypoints.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def _one_line_error(run: subprocess.CompletedProcess, expected: str) -> None:
@@ -53,7 +53,7 @@ def test_bench_throughput_runs_and_reports_both_engines():
     import json
 
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "bench", "throughput", "--dtype", "float32", "--num-prompts", "3",
+        [sys.executable, "-m", "backend.entrypoints.cli", "bench", "throughput", "--dtype", "float32", "--num-prompts", "3",
          "--input-len", "12:20", "--output-len", "5", "--hf-batch-size", "3", "--engine-arg", SMALL_KV_CACHE],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -74,7 +74,7 @@ def test_bench_serving_runs_in_process_and_through_the_stack_it_starts():
 
     ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "bench", "serving", "--num-prompts", "2", "--input-len", "16",
+        [sys.executable, "-m", "backend.entrypoints.cli", "bench", "serving", "--num-prompts", "2", "--input-len", "16",
          "--output-len", "4", "--concurrency", "1", "2", "--engine-arg", "max_num_seqs=4",
          "--engine-arg", SMALL_KV_CACHE,
          *(a for name, port in ports.items() for a in (f"--{name}-port", str(port)))],
@@ -103,7 +103,7 @@ def test_chat_streams_in_a_terminal_and_ctrl_c_stops_a_reply():
 
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal
-        os.execv(sys.executable, [sys.executable, "-m", "backend.cli", "chat", "--dtype", "float32",
+        os.execv(sys.executable, [sys.executable, "-m", "backend.entrypoints.cli", "chat", "--dtype", "float32",
                                   "--max-tokens", "1500", "--temperature", "0", "--engine-arg", SMALL_KV_CACHE])
     seen = b""
 
@@ -141,3 +141,21 @@ def test_chat_streams_in_a_terminal_and_ctrl_c_stops_a_reply():
         except ProcessLookupError:
             pass
         os.close(fd)
+
+
+def test_serve_and_up_take_the_engine_s_flags_over_model_json():
+    """vLLM's `vllm serve --dtype float32 ...`: every engine argument as a flag, over model.json's value; what no
+    flag sets stays model.json's; --engine-arg KEY=VALUE still works."""
+    import json
+
+    from backend.entrypoints.cli import build_parser
+    from backend.entrypoints.serve import checked_engine_args
+    from backend.triton.launcher import DEFAULT_REPOSITORY
+
+    served = json.loads((DEFAULT_REPOSITORY / "llm" / "1" / "model.json").read_text())
+    for command in ("serve", "up"):
+        args = build_parser().parse_args([command, "--dtype", "float32", "--max-model-len", "512",
+                                          "--no-enable-prefix-caching", "--engine-arg", "seed=3"])
+        _, overrides, model = checked_engine_args(args)
+        assert overrides == {"dtype": "float32", "max_model_len": 512, "enable_prefix_caching": False, "seed": 3}
+        assert model.config.dtype == "float32" and model.config.max_num_seqs == served["max_num_seqs"]

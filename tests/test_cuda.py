@@ -58,7 +58,7 @@ def test_cuda_graphs_match_eager():
 
 def test_verify_passes_on_the_gpu():
     from backend.config import EngineConfig
-    from backend.verify import verify
+    from backend.entrypoints.verify import verify
 
     _, figures = verify(EngineConfig(device="cuda", dtype="bfloat16"), steps=16)
     assert all(f.passed for f in figures), [(f.name, f.value) for f in figures if not f.passed]

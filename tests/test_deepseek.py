@@ -74,7 +74,7 @@ def test_verify_passes_in_bfloat16_on_the_cpu(tmp_path, default_model_dir):
     from transformers import AutoTokenizer
 
     from backend.config import EngineConfig
-    from backend.verify import verify
+    from backend.entrypoints.verify import verify
 
     vocab = len(AutoTokenizer.from_pretrained(default_model_dir))  # (verify's prompts are text)
     model_dir = make_tiny_model("deepseek_v3", tmp_path / "v3", vocab_size=vocab, decisive_routing=False)

@@ -9,7 +9,7 @@ from tests.conftest import FAKE_TORCH_NPU as FAKE
 
 
 def _doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "backend.cli", "doctor", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "backend.entrypoints.cli", "doctor", *args], capture_output=True, text=True,
                           timeout=180, env={**os.environ, **(env or {})})
 
 
@@ -68,7 +68,7 @@ def test_with_torch_npu_installed(tmp_path):
     assert " FAIL " in _row(broken.stdout, "serving layout") and "2 engines x TP 1 = 2 npu devices" in broken.stdout
     assert "make more devices visible (ASCEND_RT_VISIBLE_DEVICES)" in broken.stdout
     env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")}
-    no_cann = subprocess.run([sys.executable, "-m", "backend.cli", "doctor"], capture_output=True, text=True,
+    no_cann = subprocess.run([sys.executable, "-m", "backend.entrypoints.cli", "doctor"], capture_output=True, text=True,
                              timeout=180, env={**env, "PYTHONPATH": pythonpath})
     assert no_cann.returncode == 1
     assert " FAIL " in _row(no_cann.stdout, "CANN environment") and "set_env.sh" in no_cann.stdout
@@ -79,7 +79,7 @@ def test_with_torch_npu_installed(tmp_path):
 def test_numpy_2_fails_with_the_pin_as_fix(monkeypatch):
     import numpy
 
-    from backend import doctor
+    from backend.entrypoints import doctor
 
     monkeypatch.setattr(numpy, "__version__", "2.1.0")
     check = doctor.check_numpy()
@@ -87,7 +87,7 @@ def test_numpy_2_fails_with_the_pin_as_fix(monkeypatch):
 
 
 def test_torch_npu_for_another_torch_fails_naming_the_release(fake_npu, monkeypatch):
-    from backend import doctor
+    from backend.entrypoints import doctor
 
     monkeypatch.setattr(fake_npu, "__version__", "2.1.0.post10")
     checks, _ = doctor.check_torch_npu()
@@ -99,7 +99,7 @@ def test_torch_npu_for_another_torch_fails_naming_the_release(fake_npu, monkeypa
 def test_graph_mode_without_its_ops_warns_that_eager_works(fake_npu, monkeypatch):
     import torch
 
-    from backend import doctor
+    from backend.entrypoints import doctor
 
     monkeypatch.delattr(torch.npu, "NPUGraph")
     check = doctor.check_npu_graphs(fake_npu)
@@ -110,7 +110,7 @@ def test_no_tritonserver_anywhere_fails_with_the_install_fix(monkeypatch):
     import importlib.util
     import shutil
 
-    from backend import doctor
+    from backend.entrypoints import doctor
 
     find_spec, which = importlib.util.find_spec, shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "tritonserver" else which(name, *a, **k))
@@ -121,7 +121,7 @@ def test_no_tritonserver_anywhere_fails_with_the_install_fix(monkeypatch):
 
 
 def test_an_incomplete_model_folder_fails_naming_what_is_missing(tmp_path):
-    from backend import doctor
+    from backend.entrypoints import doctor
 
     (tmp_path / "config.json").write_text("{}")
     check = doctor.check_model(str(tmp_path))

@@ -7,7 +7,7 @@ import sys
 
 
 def test_the_cli_and_the_gateway_modules_do_not_import_torch():
-    code = ("import sys, backend.cli, backend.gateway.app, backend.triton.contract; backend.cli.build_parser(); "
+    code = ("import sys, backend.entrypoints.cli, backend.gateway.app, backend.triton.contract; backend.entrypoints.cli.build_parser(); "
             "loaded = [m for m in ('torch', 'torch_npu') if m in sys.modules]; assert not loaded, loaded")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

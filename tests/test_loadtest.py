@@ -20,7 +20,7 @@ def test_short_load_reports_consistent_figures(target, triton_server, gateway, t
     before = triton_server.metric("vllm:generation_tokens_total")
     out = tmp_path / "report"
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "loadtest", "--target", target, "--host", host, "--users", "4",
+        [sys.executable, "-m", "backend.entrypoints.cli", "loadtest", "--target", target, "--host", host, "--users", "4",
          "--spawn-rate", "4", "--run-time", "6s", "--out", str(out), "--prompt-len", "32:96", "--max-tokens",
          "8:24", "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)
@@ -67,7 +67,7 @@ def test_a_dataset_load_sends_its_conversations(gateway, default_model_dir, tmp_
     dataset.write_text("\n".join(json.dumps({"messages": c}) for c in CONVERSATIONS) + "\n")
     out = tmp_path / "report"
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "loadtest", "--target", "gateway", "--host", gateway, "--users", "2",
+        [sys.executable, "-m", "backend.entrypoints.cli", "loadtest", "--target", "gateway", "--host", gateway, "--users", "2",
          "--spawn-rate", "2", "--run-time", "10s", "--out", str(out), "--dataset", str(dataset), "--max-tokens", "1:2",
          "--api-key", GATEWAY_API_KEY],
         capture_output=True, text=True, timeout=240)

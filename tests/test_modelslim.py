@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from backend.cli import main as cli_main
+from backend.entrypoints.cli import main as cli_main
 from backend.models.loader import ModelLoadError, load_model
 from backend.models.quantization import MODELSLIM_DESCRIPTION, deq_scale_from_int64, deq_scale_to_int64
-from backend.quantize import quantize_checkpoint
+from backend.entrypoints.quantize import quantize_checkpoint
 from npu_llm_kernels import ops_for
 from tests.conftest import hf_model, make_tiny_model, rewrite_checkpoint
 from tests.test_model_parity import DECODE_STEPS, _greedy_through_paged_cache, _prompt_logits
@@ -142,7 +142,7 @@ def test_a_bfloat16_static_checkpoint_of_the_default_model_stays_near_its_source
     the default model's bf16 logits keep a cosine of 0.84-0.88 to its source's (static W8A8 costs SmolLM2 that
     much); rounded to bf16 they measured -0.31, top-1 0."""
     from backend.config import EngineConfig
-    from backend.verify import verify
+    from backend.entrypoints.verify import verify
 
     out = quantize_checkpoint(str(default_model_dir), tmp_path / "w8a8", "w8a8", format="ascend")
     _, figures = verify(EngineConfig(model=str(out), device="cpu", dtype="bfloat16", quantization="ascend"), steps=4,

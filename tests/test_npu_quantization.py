@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.quantize import quantize_checkpoint
+from backend.entrypoints.quantize import quantize_checkpoint
 from tests.conftest import make_tiny_model
 
 VOCAB = 49152

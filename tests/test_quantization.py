@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from backend import LLM, SamplingParams
-from backend.cli import main as cli_main
+from backend.entrypoints.cli import main as cli_main
 from backend.models.loader import ModelLoadError, load_model
-from backend.quantize import quantize_checkpoint
+from backend.entrypoints.quantize import quantize_checkpoint
 from backend.triton.model_json import parse_model_json
 from npu_llm_kernels import cpu, ops_for, torch_ref
 from tests.conftest import make_tiny_model, rewrite_checkpoint

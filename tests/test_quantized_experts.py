@@ -190,7 +190,7 @@ def test_quantize_writes_int8_experts_in_msmodelslims_format(arch, format, schem
     """msModelSlim's: the experts W8A8_DYNAMIC (vllm-ascend serves no static experts), the rest by the scheme.
     compressed-tensors': the experts and routers left in their precision (transformers 5 holds experts as stacked
     parameters, which compressed-tensors does not quantize). Either way the logits stay near the source's."""
-    from backend.quantize import quantize_checkpoint
+    from backend.entrypoints.quantize import quantize_checkpoint
 
     source = make_tiny_model(arch, tmp_path / "source", vocab_size=49152)
     out = quantize_checkpoint(str(source), tmp_path / "out", scheme, tokenizer=default_model_dir, format=format)

@@ -269,7 +269,7 @@ def test_soak_of_twelve_seconds_on_a_stack_it_starts(tmp_path):
     ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
     warm_up_s = 6
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "loadtest", "--start-stack", "--soak", "--soak-warm-up", str(warm_up_s),
+        [sys.executable, "-m", "backend.entrypoints.cli", "loadtest", "--start-stack", "--soak", "--soak-warm-up", str(warm_up_s),
          "--target", "gateway", *(a for name, port in ports.items() for a in (f"--{name}-port", str(port))),
          "--engine-arg", "max_num_seqs=8", "--engine-arg", SMALL_KV_CACHE,
          "--users", "4", "--spawn-rate", "4", "--run-time", "12s",

@@ -35,7 +35,7 @@ class Served:
 
     def __init__(self, repository: Path, log_path: Path, *engine_args: str):
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
-        argv = [sys.executable, "-m", "backend.cli", "serve", "--model-repository", str(repository),
+        argv = [sys.executable, "-m", "backend.entrypoints.cli", "serve", "--model-repository", str(repository),
                 "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
         for arg in (SMALL_KV_CACHE, "max_num_seqs=16", *engine_args):
             argv += ["--engine-arg", arg]

@@ -200,7 +200,7 @@ def test_bench_throughput_runs_tensor_parallel_and_profiles_its_collectives(tiny
     """`npu-llm bench throughput --engine-arg tensor_parallel_size=2 --profile DIR`, as docs/parallelism.md measures TP's
     overhead: it runs, and the profile's "TP all-reduce, all-gather" row holds time, within the step total."""
     run = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "bench", "throughput", "--model", str(tiny_llama), "--tokenizer",
+        [sys.executable, "-m", "backend.entrypoints.cli", "bench", "throughput", "--model", str(tiny_llama), "--tokenizer",
          str(default_model_dir), "--dtype", "float32", "--num-kv-blocks", "64", "--engine-arg",
          "tensor_parallel_size=2", "--baseline", "none", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
          "--profile", str(tmp_path)],

@@ -126,7 +126,7 @@ def test_up_from_cold_serves_the_first_request_as_fast_as_later_ones_and_sigterm
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}  # nothing prebuilt
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "up", "--http-port", str(ports["http"]), "--grpc-port",
+            [sys.executable, "-m", "backend.entrypoints.cli", "up", "--http-port", str(ports["http"]), "--grpc-port",
              str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--gateway-port", str(ports["gateway"]),
              "--ui-port", str(ports["ui"]), "--engine-arg", "kv_cache_memory_gb=0.5"],
             stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -166,7 +166,7 @@ def test_up_from_cold_serves_the_first_request_as_fast_as_later_ones_and_sigterm
 
 def _free_strided(servers: int) -> int:
     """A port p with p + k * PORT_STRIDE free for each of `servers` servers (up's layout of a disaggregated stack)."""
-    from backend.up import PORT_STRIDE
+    from backend.entrypoints.up import PORT_STRIDE
 
     while True:
         base = free_port()
@@ -177,7 +177,7 @@ def _free_strided(servers: int) -> int:
 def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tmp_path):
     import httpx
 
-    from backend.up import PORT_STRIDE
+    from backend.entrypoints.up import PORT_STRIDE
     from tests.conftest import TritonMetrics
 
     ports = {name: _free_strided(2) for name in ("http", "grpc", "metrics", "kv")}
@@ -185,7 +185,7 @@ def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tm
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "up", "--disaggregate", "1P1D", "--http-port", str(ports["http"]),
+            [sys.executable, "-m", "backend.entrypoints.cli", "up", "--disaggregate", "1P1D", "--http-port", str(ports["http"]),
              "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
              "--gateway-port", str(front["gateway"]), "--ui-port", str(front["ui"]),
              "--engine-arg", "kv_cache_memory_gb=0.25", "--kv-port", str(ports["kv"])],

@@ -10,7 +10,7 @@ from backend.config import EngineConfig
 
 
 def test_the_cpu_in_float32_computes_the_reference():
-    run = subprocess.run([sys.executable, "-m", "backend.cli", "verify", "--device", "cpu", "--dtype", "float32",
+    run = subprocess.run([sys.executable, "-m", "backend.entrypoints.cli", "verify", "--device", "cpu", "--dtype", "float32",
                           "--steps", "8"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "on cpu in float32 (eager) against npu_llm_kernels/torch_ref.py" in run.stdout
@@ -19,7 +19,7 @@ def test_the_cpu_in_float32_computes_the_reference():
 
 @pytest.mark.slow
 def test_the_npu_passes_in_bfloat16_and_a_broken_kernel_fails(fake_npu, monkeypatch):
-    from backend.verify import verify
+    from backend.entrypoints.verify import verify
     from npu_llm_kernels import npu
 
     heading, figures = verify(EngineConfig(device="npu", dtype="bfloat16", enforce_eager=False), steps=8)
@@ -43,7 +43,7 @@ def test_a_moe_model_passes_on_the_npu_with_decode_graphs_and_a_broken_router_fa
                                                                                   default_model_dir):
     """GLM-4.5's routing (grouped sigmoid, correction bias, shared expert) through torch_npu's MoE ops, replayed
     in decode graphs, against torch_ref in fp32; choosing the wrong experts is caught."""
-    from backend.verify import verify
+    from backend.entrypoints.verify import verify
     from npu_llm_kernels import npu
     from tests.conftest import make_tiny_model
 
@@ -72,11 +72,11 @@ def test_a_quantized_model_against_its_source_passes_dynamic_and_w8a16_and_fails
     """`verify --reference`: W8A8 dynamic costs the default model what its scheme's tolerance allows; static W8A8,
     with one scale per layer for SmolLM2's outlier activations, costs more, and verify says so; grouped W8A16 passes
     its own, tighter tolerance."""
-    from backend.quantize import quantize_checkpoint
-    from backend.verify import verify
+    from backend.entrypoints.quantize import quantize_checkpoint
+    from backend.entrypoints.verify import verify
 
     dynamic = quantize_checkpoint(str(default_model_dir), tmp_path / "dynamic", "w8a8_dynamic")
-    run = subprocess.run([sys.executable, "-m", "backend.cli", "verify", "--model", str(dynamic), "--reference",
+    run = subprocess.run([sys.executable, "-m", "backend.entrypoints.cli", "verify", "--model", str(dynamic), "--reference",
                           str(default_model_dir), "--device", "cpu", "--dtype", "bfloat16", "--steps", "8"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -34,7 +34,7 @@ instance_group [
 
 
 def test_a_vllm_backend_repository_serves_unchanged(tmp_path, default_model_dir):
-    from backend.serve import start_server, stop_process_group, wait_ready
+    from backend.entrypoints.serve import start_server, stop_process_group, wait_ready
 
     repository = tmp_path / "model_repository"
     (repository / "vllm_model" / "1").mkdir(parents=True)

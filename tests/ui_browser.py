@@ -21,12 +21,12 @@ def running_ui(gateway_url: str, metrics_url: str, log_dir: Path, api_key: str =
                port: int | None = None):
     """`npu-llm ui` as a real process, a client of `gateway_url` showing the Triton metrics at `metrics_url`;
     yields its URL (on `port`, when given: a restarted UI at the same origin sees the same browser storage)."""
-    from backend.serve import wait_http
+    from backend.entrypoints.serve import wait_http
 
     port = port or free_port()
     with open(log_dir / f"ui-{port}.log", "a") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", "ui", "--gateway-url", gateway_url, "--metrics-url", metrics_url,
+            [sys.executable, "-m", "backend.entrypoints.cli", "ui", "--gateway-url", gateway_url, "--metrics-url", metrics_url,
              "--api-key", api_key, "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -368,7 +368,7 @@ def _file_name(title: str) -> str:
 
 
 def run_ui(args) -> int:
-    """`npu-llm ui` (flags in backend/cli.py)."""
+    """`npu-llm ui` (flags in backend/entrypoints/cli.py)."""
     api_key = args.api_key or os.environ.get("NPU_LLM_API_KEY") or None  # the gateway's, read from the same variable
     app = build_app(UISettings(args.gateway_url, args.metrics_url, api_key, args.prefill_metrics_url))
     app.queue().launch(server_name=args.host, server_port=args.port, show_error=False, quiet=True)

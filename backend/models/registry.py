@@ -13,7 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from backend.config import DEFAULT_MODEL
+
 
 
 class ModelNotFoundError(FileNotFoundError):

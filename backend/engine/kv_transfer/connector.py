@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine.kv_transfer.config import KVTransferConfig
+from backend.config import KVTransferConfig
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.request import Request
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.kv_transfer.config import KVTransferConfig
+from backend.config import KVTransferConfig
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
 from backend.engine.kv_transfer.side_channel import SideChannelServer, Unavailable, call
 from backend.engine.kv_transfer.transfer_engine import start_transfer_engine, transfer_protocol

@@ -18,7 +18,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from backend.serve import checked_engine_args, client_host, start_server, stop_process_group, wait_http, wait_ready
+from backend.entrypoints.serve import checked_engine_args, client_host, start_server, stop_process_group, wait_http, wait_ready
 
 # Server k of a disaggregated layout listens on the given ports + k * PORT_STRIDE, its KV side channel on
 # --kv-port + k * PORT_STRIDE (room for a server's data-parallel engines, kv_port + instance each).
@@ -69,7 +69,7 @@ def plan_servers(args, engine_args: dict) -> list[TritonServer]:
 
 
 def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "backend.cli", *args], start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "backend.entrypoints.cli", *args], start_new_session=True)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import json
 import statistics
 import time
 
-from backend.bench import random_prompts
+from backend.entrypoints.bench.throughput import random_prompts
 from backend.config import EngineConfig
 from backend.engine.sampling_params import SamplingParams
 
@@ -114,8 +114,8 @@ def run_serving_bench(args) -> dict:
     from backend.engine.tokenizer import load_tokenizer
     from backend.models.loader import load_config
     from backend.models.registry import resolve_model
-    from backend.serve import checked_engine_args
-    from backend.up import running_stack
+    from backend.entrypoints.serve import checked_engine_args
+    from backend.entrypoints.up import running_stack
 
     # Every path sees the same prompts, so the prefix cache would favour whichever runs later: off.
     args.engine_arg = (args.engine_arg or []) + ["enable_prefix_caching=false"]

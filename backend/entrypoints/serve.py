@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from backend.config import parse_engine_args
+from backend.config import EngineConfig, parse_engine_args
 from backend.models.registry import resolve_model
 from backend.triton.model_json import ModelJson, parse_model_json
 from backend.triton.launcher import (
@@ -103,7 +103,8 @@ def checked_engine_args(args) -> tuple[Path, dict, ModelJson]:
     """(repository, engine-arg overrides, what the llm model runs as), failing here in one line rather than inside
     Triton."""
     repository = Path(args.model_repository).resolve()
-    engine_args = parse_engine_args(args.engine_arg or [])
+    flags = {k: v for k, v in EngineConfig.cli_overrides(args).items() if k != "model"}  # (--model: below)
+    engine_args = {**flags, **parse_engine_args(args.engine_arg or [])}
     if args.model:
         engine_args["model"] = args.model
     # every model's model.json, as the run copy will have it (llm/1 first: its config is the one printed)
@@ -140,7 +141,11 @@ def serve(args) -> int:
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def add_serve_args(parser) -> None:
+def add_serve_args(parser, engine_flags: bool = True) -> None:
+    """The flags of a command that starts Triton; with engine_flags, the engine's own (--dtype, --max-model-len,
+    --tensor-parallel-size, ...), as `vllm serve` takes them, each overriding model.json's key."""
+    if engine_flags:
+        EngineConfig.add_cli_args(parser.add_argument_group("engine arguments (override model.json)"), overrides=True)
     parser.add_argument("--model", default=None, help="overrides model.json's model (path, .gguf or name)")
     parser.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     parser.add_argument("--http-port", type=int, default=8000)

@@ -18,8 +18,8 @@ import json
 import statistics
 import time
 
-from backend.bench import random_prompts
-from backend.bench_serving import _one_gateway
+from backend.entrypoints.bench.throughput import random_prompts
+from backend.entrypoints.bench.serving import _one_gateway
 from backend.triton.scrape import Scrape
 
 LONG_OUTPUT = 4  # tokens a long prompt asks for: its TTFT is what matters
@@ -62,8 +62,8 @@ def run_disaggregated_bench(args) -> dict:
     from backend.engine.tokenizer import load_tokenizer
     from backend.models.loader import load_config
     from backend.models.registry import resolve_model
-    from backend.serve import checked_engine_args
-    from backend.up import plan_servers, running_stack
+    from backend.entrypoints.serve import checked_engine_args
+    from backend.entrypoints.up import plan_servers, running_stack
 
     args.engine_arg = (args.engine_arg or []) + ["enable_prefix_caching=false"]  # (both layouts see the same prompts)
     config = checked_engine_args(args)[2].config

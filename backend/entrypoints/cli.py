@@ -19,7 +19,7 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _cmd_chat(args) -> int:
-    from backend.chat import run_chat
+    from backend.entrypoints.chat import run_chat
     from backend.engine.engine import LLMEngine
     from backend.engine.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ def _cmd_chat(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from backend.serve import serve
+    from backend.entrypoints.serve import serve
 
     return serve(args)
 
@@ -71,7 +71,7 @@ def _cmd_ui(args) -> int:
 
 
 def _cmd_up(args) -> int:
-    from backend.up import up
+    from backend.entrypoints.up import up
 
     return up(args)
 
@@ -83,19 +83,19 @@ def _cmd_loadtest(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
-    from backend.doctor import doctor
+    from backend.entrypoints.doctor import doctor
 
     return doctor(args)
 
 
 def _cmd_verify(args) -> int:
-    from backend.verify import run_verify
+    from backend.entrypoints.verify import run_verify
 
     return run_verify(args)
 
 
 def _cmd_quantize(args) -> int:
-    from backend.quantize import quantize_checkpoint
+    from backend.entrypoints.quantize import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, args.scheme, args.calibration, args.calibration_tokens,
                               args.tokenizer, args.format, args.group_size)
@@ -104,14 +104,14 @@ def _cmd_quantize(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from backend.bench import run_throughput_bench
+    from backend.entrypoints.bench.throughput import run_throughput_bench
 
     run_throughput_bench(args)
     return 0
 
 
 def _cmd_bench_moe(args) -> int:
-    from backend.bench_moe import run_moe_bench
+    from backend.entrypoints.bench.moe import run_moe_bench
 
     run_moe_bench(args)
     return 0
@@ -119,11 +119,11 @@ def _cmd_bench_moe(args) -> int:
 
 def _cmd_bench_serving(args) -> int:
     if args.disaggregate:
-        from backend.bench_disaggregated import run_disaggregated_bench
+        from backend.entrypoints.bench.disaggregated import run_disaggregated_bench
 
         run_disaggregated_bench(args)
         return 0
-    from backend.bench_serving import run_serving_bench
+    from backend.entrypoints.bench.serving import run_serving_bench
 
     run_serving_bench(args)
     return 0
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     serve = commands.add_parser("serve", help="serve the model repository with NVIDIA Triton")
-    from backend.serve import add_serve_args
+    from backend.entrypoints.serve import add_serve_args
     from backend.triton.launcher import DEFAULT_REPOSITORY
 
     add_serve_args(serve)
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_loadtest_args(loadtest)
     # the ports of the stack (--start-stack starts it there; otherwise where to find the target)
-    add_serve_args(loadtest)
+    add_serve_args(loadtest, engine_flags=False)
     loadtest.add_argument("--gateway-port", type=int, default=9000)
     loadtest.add_argument("--bind-host", dest="host", default="127.0.0.1", help=argparse.SUPPRESS)
     loadtest.set_defaults(func=_cmd_loadtest)
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --disaggregate: the first value is the number of decoding streams")
     serving.add_argument("--disaggregate", metavar="xPyD", default=None,
                          help="compare this disaggregated layout with a colocated stack on a mixed load: decoding "
-                              "streams while long prompts arrive (backend/bench_disaggregated.py)")
+                              "streams while long prompts arrive (backend/entrypoints/bench/disaggregated.py)")
     serving.add_argument("--kv-port", type=int, default=14579, help=argparse.SUPPRESS)
     serving.add_argument("--long-len", type=int, default=1024, help="with --disaggregate: tokens of a long prompt")
     serving.add_argument("--num-long", type=int, default=6, help="with --disaggregate: long prompts that arrive")

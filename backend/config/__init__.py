@@ -1,0 +1,16 @@
+"""The engine's configuration, at the bottom of the library: it imports nothing else of backend (vLLM keeps its
+configs in vllm/config/ likewise). engine.py: EngineConfig, every engine knob; kv_transfer.py: kv_transfer_config."""
+from backend.config.engine import (
+    DEFAULT_MODEL,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    MTP_METHODS,
+    NPU_BLOCK_SIZE,
+    QUANTIZATION_CHOICES,
+    EngineConfig,
+    parse_engine_args,
+)
+from backend.config.kv_transfer import KVTransferConfig
+
+__all__ = ["DEFAULT_MODEL", "DEVICE_CHOICES", "DTYPE_CHOICES", "MTP_METHODS", "NPU_BLOCK_SIZE", "QUANTIZATION_CHOICES",
+           "EngineConfig", "KVTransferConfig", "parse_engine_args"]

@@ -1,0 +1,1 @@
+"""`npu-llm bench`: throughput against transformers, serving overhead, MoE experts, disaggregation."""
