@@ -18,7 +18,8 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # auto: npu > cuda > cpu (backe
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
 QUANTIZATION_CHOICES = ("compressed-tensors", "ascend")  # vLLM's names; which are served: backend/models/quantization.py
-MTP_METHODS = ("deepseek_mtp", "mtp")  # vLLM's names for drafting with the checkpoint's MTP layer
+MTP_METHODS = ("deepseek_mtp", "mtp")
+OVERRIDE_DEST = "engine_flag_"  # where a command's engine flags given as overrides land, apart from its own flags  # vLLM's names for drafting with the checkpoint's MTP layer
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +158,20 @@ class EngineConfig:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, overrides: bool = False) -> None:
         """One --flag per field (booleans get --flag / --no-flag), defaults from the dataclass. With overrides (as
-        `serve` takes them, vLLM's flags over model.json): no defaults, so only the flags given are set, and no
-        --model or --engine-arg, which the command has of its own."""
+        `serve` takes them, vLLM's flags over model.json): no defaults, so only the flags given are set (read back by
+        cli_overrides, apart from the command's own flags of the same names), and no --model or --engine-arg, which
+        the command has of its own."""
         for f in fields(cls):
             if overrides and f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
-            default = argparse.SUPPRESS if overrides else f.default
+            where = dict(dest=OVERRIDE_DEST + f.name, default=argparse.SUPPRESS) if overrides else dict(default=f.default)
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, **where)
                 continue
             kind = {"int": int, "float": float, "dict": json.loads}.get(str(f.type).split(" ")[0], str)
             choices = {"device": None, "dtype": DTYPE_CHOICES}.get(f.name)
-            parser.add_argument(flag, type=kind, default=default, choices=choices)
+            parser.add_argument(flag, type=kind, choices=choices, **where)
         if not overrides:
             parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
                                 help="any engine argument, as `serve` takes it (e.g. tensor_parallel_size=2)")
@@ -177,12 +179,14 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         """The flags, then --engine-arg KEY=VALUE pairs over them."""
-        return cls.from_dict({**cls.cli_overrides(args), **parse_engine_args(getattr(args, "engine_arg", None) or [])})
+        flags = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls.from_dict({**flags, **parse_engine_args(getattr(args, "engine_arg", None) or [])})
 
     @classmethod
     def cli_overrides(cls, args: argparse.Namespace) -> dict[str, Any]:
-        """The fields the command line sets (all of them, unless its flags were added as overrides)."""
-        return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        """The engine flags given on a command line whose flags were added as overrides."""
+        return {f.name: getattr(args, OVERRIDE_DEST + f.name) for f in fields(cls)
+                if hasattr(args, OVERRIDE_DEST + f.name)}
 
 
 def parse_engine_args(pairs: list[str]) -> dict:

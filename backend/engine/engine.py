@@ -29,7 +29,6 @@ from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.outputs import RequestOutput
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
-from backend.engine.runner import ModelRunner
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.spec_decode import MTPDrafter
 from backend.engine.stats import EngineInfo, EngineStats, collect_stats
@@ -45,9 +44,6 @@ log = logging.getLogger(__name__)
 
 # An idle step waits this long for a grammar being compiled, instead of spinning.
 GRAMMAR_WAIT_S = 0.01
-
-# An idle step waits this long for a KV transfer to end (disaggregated prefill), instead of spinning.
-TRANSFER_WAIT_S = 0.002
 
 
 class LLMEngine:
@@ -75,7 +71,7 @@ class LLMEngine:
         # engine is collected or the interpreter exits. The finalizer holds those resources, never the engine
         # itself (which it would then keep alive).
         runner = self.runner.runner if workers is not None else self.runner
-        self._finalizer = weakref.finalize(self, _release, workers, runner, self.kv_connector)
+        self._finalizer = weakref.finalize(self, startup.release, workers, runner, self.kv_connector)
 
     def _start(self, model_dir, tp, workers) -> None:
         """Load, size and allocate (backend/engine/startup.py), build the scheduler and what a step uses, warm up."""
@@ -233,41 +229,25 @@ class LLMEngine:
             self.structured_outputs.accept(scheduled, result.sampled, self._fail_sequence)
             advanced = self.scheduler.update_from_output(scheduled, {i: t.token_id for i, t in result.sampled.items()})
             new_tokens = {r.request_id: [result.sampled[r.request_id]] for r in advanced}
-            if self.drafter is not None:
-                self._accept_drafts(scheduled, result, advanced, new_tokens)
+            if self.drafter is not None and result.forward is not None:
+                self.drafter.accept(self.scheduler, scheduled, result, advanced, new_tokens, self._fail_sequence)
             self.scheduler.record_step(scheduled, sum(len(tokens) for tokens in new_tokens.values()))
-        if self.kv_connector is not None:
-            self._end_transfers(bool(scheduled))
+        if self.kv_connector is not None:  # (a pull the producer refused fails its request)
+            for request, error in self.scheduler.end_transfers(stepped=bool(scheduled)):
+                self._fail_sequence(request, error)
         return new_tokens
 
     def _fail_from(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
-        """A forward pass that raised fails every user request in it; a sample that did, its own."""
+        """A forward pass that raised fails every user request in it (and one that keeps failing stops the engine);
+        a sample that did, its own."""
         if result.error is not None:
             for parent_id in dict.fromkeys(self.outputs.parent_of(s.request).request_id for s in scheduled):
                 self._fail(parent_id, result.error)
+            if result.device_error is not None:
+                raise result.device_error
         requests = {s.request.request_id: s.request for s in scheduled}
         for request_id, error in result.failures.items():
             self._fail_sequence(requests[request_id], error)
-
-    def _accept_drafts(self, scheduled, result: RunnerOutput, advanced: list[Request], new_tokens: dict) -> None:
-        """The token after each verified draft joins its request, if its sampled token did not end it; then the MTP
-        layer drafts the next (spec_decode.py)."""
-        self.drafter.record(scheduled, result.sampled)
-        verified = [r for r in advanced if r.request_id in result.bonus and not r.finished]
-        self.scheduler.accept_drafts(verified, {r.request_id: result.bonus[r.request_id].token_id for r in verified})
-        for request in verified:
-            new_tokens[request.request_id].append(result.bonus[request.request_id])
-        if result.forward is not None:
-            self.drafter.draft(scheduled, result.starts, result.forward)
-
-    def _end_transfers(self, stepped: bool) -> None:
-        """After the forward pass: the connector's saves, then the transfers that ended (a pull the producer refused
-        fails its request). A step with nothing to run waits a moment for them instead of spinning."""
-        self.kv_connector.wait_for_save()
-        if not stepped:
-            time.sleep(TRANSFER_WAIT_S)
-        for request, error in self.scheduler.update_from_connector(self.kv_connector.get_finished()):
-            self._fail_sequence(request, error)
 
     def _process_outputs(self, new_tokens: dict) -> list[RequestOutput]:
         """Text and stop strings (the output processor), then one output per user request that changed: those
@@ -276,8 +256,10 @@ class LLMEngine:
         return aborted + self.outputs.process(new_tokens, self._stop, self._fail_sequence, self._fail)
 
     def _stop(self, request: Request, stop_string: str, num_after: int) -> None:
-        """A stop string ended a sequence: tokens after it (a verified draft's next one) are not its own."""
+        """A stop string ended a sequence: tokens after it (a verified draft's next one) are not its own, nor counted
+        as generated."""
         del request.token_ids[len(request.token_ids) - num_after:]
+        self.scheduler.num_generation_tokens -= num_after
         if request.finished:  # (a token after the stop string ended it: its blocks are back already)
             request.finish("stop", stop_string)
         else:
@@ -303,16 +285,3 @@ class LLMEngine:
         """The user requests not finished yet."""
         return list(self.outputs.parents)
 
-
-def _release(workers, runner: ModelRunner, kv_connector: KVConnector | None) -> None:
-    """An engine's shutdown (its finalizer): the workers and their process group first, then the KV connector (its
-    threads, sockets and registrations), then rank 0's KV cache."""
-    try:
-        if workers is not None:
-            workers.shutdown()
-    finally:
-        try:
-            if kv_connector is not None:
-                kv_connector.shutdown()
-        finally:
-            runner.release_kv_cache()

@@ -86,33 +86,46 @@ def ranked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int])
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
     chosen_ranks = _ranks(logits, tokens).tolist()
+    k = min(max(tops, default=0), logits.shape[1])
+    top_ids = _top_ids(logits, k) if k else None
+    top_ids_list = top_ids.tolist() if k else None
+    top_values = logprobs.gather(1, top_ids).tolist() if k else None
     entries = []
     for row, (token, top) in enumerate(zip(tokens.tolist(), tops)):
         entry = {token: Logprob(chosen[row], chosen_ranks[row])}
-        top_ids = _top_ids(logits[row], top)
-        for rank, (tid, lp) in enumerate(zip(top_ids.tolist(), logprobs[row, top_ids].tolist()), start=1):
+        for rank, (tid, lp) in enumerate(zip(top_ids_list[row][:top], top_values[row][:top]) if top else (), 1):
             entry.setdefault(tid, Logprob(lp, rank))
         entries.append(entry)
     return entries
 
 
 def _ranks(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Each row's token's rank: 1 + the tokens with a greater logit + those with an equal one and a lower id."""
+    """Each row's token's rank: 1 + the tokens with a greater logit + those with an equal one and a lower id.
+    (The comparisons are written as floats: summing a bool tensor is ten times slower on CPU.)"""
     values = logits.gather(1, tokens[:, None])
-    lower_id = torch.arange(logits.shape[1], device=logits.device)[None, :] < tokens[:, None]
-    return 1 + (logits > values).sum(dim=-1) + ((logits == values) & lower_id).sum(dim=-1)
+    counted = torch.empty_like(logits)
+    ranks = 1 + torch.gt(logits, values, out=counted).sum(dim=-1)
+    tied = (torch.ge(logits, values, out=counted).sum(dim=-1) + 1 - ranks).nonzero()[:, 0]  # another token ties: few
+    for row in tied.tolist():
+        ranks[row] += (logits[row, : tokens[row]] == values[row]).sum()
+    return ranks.long()
 
 
-def _top_ids(row: torch.Tensor, k: int) -> torch.Tensor:
-    """The first k token ids of the module's order. (topk alone breaks ties as it likes: of the tokens tied at the
-    k-th value, the lowest ids are taken here.)"""
-    if k <= 0:
-        return row.new_empty(0, dtype=torch.long)
-    values, ids = row.topk(min(k, row.shape[0]))
-    kth = values[-1]
-    tied = (row == kth).nonzero()[:, 0]
-    ids = torch.cat([ids[values > kth], tied[: len(values) - int((values > kth).sum())]]).sort().values
-    return ids[row[ids].sort(descending=True, stable=True).indices]  # by logit, equal ones lower id first
+def _top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's first k token ids in the module's order, [n, k]. topk alone breaks ties as it likes: within its
+    k, equal logits are put lower id first; where the k-th logit ties a token topk left out (rare), the row is taken
+    again from all the tokens at that logit, lowest ids first."""
+    vocab = logits.shape[1]
+    values, ids = logits.topk(min(k + 1, vocab), dim=-1)  # (one more: does a token left out tie the k-th?)
+    cut = (values[:, k] == values[:, k - 1]).nonzero()[:, 0].tolist() if k < vocab else []
+    values, ids = values[:, :k], ids[:, :k]
+    ids, by_id = ids.sort(dim=-1)
+    ids = ids.gather(1, values.gather(1, by_id).sort(dim=-1, descending=True, stable=True).indices)
+    for row in cut:
+        kth = values[row, -1]
+        above = ids[row][logits[row, ids[row]] > kth]
+        ids[row] = torch.cat([above, (logits[row] == kth).nonzero()[:, 0][: k - len(above)]])
+    return ids
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], ahead: list[list[int]]) -> None:

@@ -24,6 +24,9 @@ from backend.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
+# An idle step waits this long for a KV transfer to end (disaggregated prefill), instead of spinning.
+TRANSFER_WAIT_S = 0.002
+
 
 @dataclass
 class ScheduledRequest:
@@ -199,6 +202,14 @@ class Scheduler:
         request.scheduled_time = time.time()
         self.loading[request.request_id] = request
         return True
+
+    def end_transfers(self, stepped: bool) -> list[tuple[Request, BaseException]]:
+        """After the forward pass: the connector's saves, then the transfers that ended (update_from_connector). A step
+        with nothing to run waits a moment for them instead of spinning."""
+        self.connector.wait_for_save()
+        if not stepped:
+            time.sleep(TRANSFER_WAIT_S)
+        return self.update_from_connector(self.connector.get_finished())
 
     def update_from_connector(self, finished: FinishedTransfers) -> list[tuple[Request, BaseException]]:
         """Transfers that ended: released blocks are freed; pulled requests queue first, their prompt computed but

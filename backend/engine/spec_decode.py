@@ -18,12 +18,15 @@ The counts are vLLM's spec-decode metrics (vllm:spec_decode_*).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.engine.kv_cache import KVCacheManager
+from backend.engine.request import Request
 from backend.engine.runner import DraftChunk, ModelRunner, StepOutput
 from backend.engine.sampler import SampledToken
-from backend.engine.scheduler import ScheduledRequest
+from backend.engine.scheduler import ScheduledRequest, Scheduler
+from backend.engine.step_runner import RunnerOutput
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,22 @@ class MTPDrafter:
                 if token is not None and token.token_id == s.drafts[0]:
                     self.stats.num_accepted_tokens += 1
                     self.stats.num_accepted_tokens_per_pos[0] += 1
+
+    def accept(self, scheduler: Scheduler, scheduled: list[ScheduledRequest], result: RunnerOutput,
+               advanced: list[Request], new_tokens: dict[str, list[SampledToken]],
+               fail_sequence: Callable[[Request, BaseException], None]) -> None:
+        """After the scheduler took the step's sampled tokens (advanced: the requests that got one): the step's
+        drafts counted; the token after each verified draft joins its request, unless the draft ended it (or its
+        sampling failed: that fails the request); then the MTP layer drafts the next token of each."""
+        self.record(scheduled, result.sampled)
+        for request in advanced:
+            if request.request_id in result.bonus_failures and not request.finished:
+                fail_sequence(request, result.bonus_failures[request.request_id])
+        verified = [r for r in advanced if r.request_id in result.bonus and not r.finished]  # (a sibling's failure ends it)
+        scheduler.accept_drafts(verified, {r.request_id: result.bonus[r.request_id].token_id for r in verified})
+        for request in verified:
+            new_tokens[request.request_id].append(result.bonus[request.request_id])
+        self.draft(scheduled, result.starts, result.forward)
 
     def draft(self, scheduled: list[ScheduledRequest], starts: list[int], step: StepOutput) -> None:
         """The MTP pass over what each scheduled request computed and kept this step (from starts[i] on); the next

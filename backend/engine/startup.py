@@ -120,3 +120,17 @@ def _blocks_that_fit(config: EngineConfig, platform: Platform, model: nn.Module,
 
 def _graph_len(config: EngineConfig) -> int:
     return min(config.max_model_len, config.max_seq_len_to_capture)
+
+
+def release(workers, runner: ModelRunner, kv_connector) -> None:
+    """An engine's shutdown (its finalizer): the workers and their process group first, then the KV connector (its
+    threads, sockets and registrations), then rank 0's KV cache."""
+    try:
+        if workers is not None:
+            workers.shutdown()
+    finally:
+        try:
+            if kv_connector is not None:
+                kv_connector.shutdown()
+        finally:
+            runner.release_kv_cache()

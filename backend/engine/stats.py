@@ -16,7 +16,7 @@ class EngineInfo:
     device: str  # e.g. "cpu", "npu:0"
     platform: str  # "cpu", "cuda" or "npu"
     num_kv_blocks: int
-    kv_cache_dtype: str  # e.g. "bfloat16"
+    dtype: str  # the model's and its KV cache's, e.g. "bfloat16"
 
 
 @dataclass

@@ -40,7 +40,10 @@ class RunnerOutput:
     bonus: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # the prompt tokens scored
     failures: dict[str, BaseException] = field(default_factory=dict)  # sequences whose sampling failed
+    # sequences whose token after a verified draft failed: their failure, if the draft is theirs after the update
+    bonus_failures: dict[str, BaseException] = field(default_factory=dict)
     error: BaseException | None = None  # the forward pass failed: so did every scheduled request
+    device_error: RuntimeError | None = None  # and it failed MAX_FAILED_STEPS times in a row: the engine stops
     forward: StepOutput | None = None  # the forward pass's output (the drafter's pass reads its hidden states)
     starts: list[int] = field(default_factory=list)  # each scheduled request's num_computed_tokens before the step
 
@@ -58,10 +61,11 @@ class StepRunner:
             raise  # without every rank no step can run: the engine stops
         except Exception as e:
             log.exception("forward pass failed")
-            self._failed_steps += 1
-            if self._failed_steps >= MAX_FAILED_STEPS:  # the device, not a request: stop the engine
-                raise RuntimeError(f"{self._failed_steps} forward passes in a row failed; last: {e!r}") from e
             output.error = e
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:  # the device, not a request: the engine stops
+                output.device_error = RuntimeError(f"{self._failed_steps} forward passes in a row failed; last: {e!r}")
+                output.device_error.__cause__ = e
             return output
         self._failed_steps = 0
         output.prompt_logprobs = {s.request.request_id: scored for s, scored in zip(scheduled, forward.prompt_logprobs)
@@ -106,7 +110,7 @@ class StepRunner:
         if verified:
             requests = [request for request, _ in verified]
             rows = forward.draft_logits[torch.tensor([row for _, row in verified])]
-            output.bonus = self._sample(requests, rows, None, output.failures,
+            output.bonus = self._sample(requests, rows, None, output.bonus_failures,
                                         ahead=[[output.sampled[r.request_id].token_id] for r in requests])
 
     @staticmethod

@@ -13,7 +13,7 @@ from backend.engine.tokenizer import chat_prompt_ids
 
 def run_chat(engine: LLMEngine, params: SamplingParams, system: str | None, out=sys.stdout, inp=sys.stdin) -> None:
     history: list[dict] = [{"role": "system", "content": system}] if system else []
-    print(f"npu-llm chat: {engine.config.model} on {engine.platform.device}. Ctrl-C stops a reply, Ctrl-D quits.",
+    print(f"npu-llm chat: {engine.config.model} on {engine.engine_info().device}. Ctrl-C stops a reply, Ctrl-D quits.",
           file=out, flush=True)
     while True:
         out.write("\nyou> ")

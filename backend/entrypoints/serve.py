@@ -103,8 +103,7 @@ def checked_engine_args(args) -> tuple[Path, dict, ModelJson]:
     """(repository, engine-arg overrides, what the llm model runs as), failing here in one line rather than inside
     Triton."""
     repository = Path(args.model_repository).resolve()
-    flags = {k: v for k, v in EngineConfig.cli_overrides(args).items() if k != "model"}  # (--model: below)
-    engine_args = {**flags, **parse_engine_args(args.engine_arg or [])}
+    engine_args = {**EngineConfig.cli_overrides(args), **parse_engine_args(args.engine_arg or [])}
     if args.model:
         engine_args["model"] = args.model
     # every model's model.json, as the run copy will have it (llm/1 first: its config is the one printed)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.sampling_params import SamplingParams
-from backend.gateway.client import Chunk, TritonClient, TritonUnavailable
+from backend.gateway.client import Chunk, InvalidRequest, TritonClient, TritonUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -115,5 +115,8 @@ class DisaggregatedClient:
 
 def _with_transfer(params: SamplingParams, transfer: dict | None) -> SamplingParams:
     """params with these kv_transfer_params (a prefill's answer, checked as the engine checks them), or none."""
-    return params.model_copy(update={"kv_transfer_params": None if transfer is None
-                                     else KVTransferParams.model_validate(transfer)})
+    try:
+        checked = None if transfer is None else KVTransferParams.model_validate(transfer)
+    except ValueError as e:  # (pydantic's ValidationError): the decode server would refuse them so
+        raise InvalidRequest(f"the prefill server's kv_transfer_params: {e}") from None
+    return params.model_copy(update={"kv_transfer_params": checked})

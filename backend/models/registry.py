@@ -16,7 +16,6 @@ from pathlib import Path
 from backend.config import DEFAULT_MODEL
 
 
-
 class ModelNotFoundError(FileNotFoundError):
     pass
 

@@ -115,7 +115,7 @@ class TritonPythonModel:
             info = {"engine_model": config.model, "device": engine_info.device, "layout": model_json.layout}
             cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(engine_info.num_kv_blocks),
                           "enable_prefix_caching": str(config.enable_prefix_caching),
-                          "cache_dtype": engine_info.kv_cache_dtype,
+                          "cache_dtype": engine_info.dtype,
                           "gpu_memory_utilization": str(config.gpu_memory_utilization)}
             self.metrics = VllmMetrics(pb_utils, labels, self.engine.stats, info, config.max_model_len, cache_info,
                                        _drain(self.engine.iteration_tokens))

@@ -77,8 +77,8 @@ def run_throughput_bench(args) -> dict:
 
     result = {
         "model": config.model,
-        "device": str(engine.platform.device),
-        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "device": engine.engine_info().device,
+        "dtype": engine.engine_info().dtype,
         "num_prompts": len(prompts),
         "prompt_tokens": num_prompt_tokens,
         "output_tokens": num_output_tokens,
@@ -99,7 +99,7 @@ def run_throughput_bench(args) -> dict:
                                    "output_tokens_per_s": round(num_output_tokens / base_elapsed, 1)}
         result["output_throughput_ratio"] = round(base_elapsed / elapsed, 2)
     if args.baseline == "hf":
-        dtype = engine.model.dtype
+        dtype = getattr(torch, engine.engine_info().dtype)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
         hf_elapsed = _hf_generate(engine.model_dir, dtype, prompts, args.output_len, args.hf_batch_size, pad)
         result["hf"] = {
