@@ -115,7 +115,9 @@ class KVConnector(ABC):
 
 
 def create_connector(config: KVTransferConfig, block_size: int, platform: str) -> KVConnector:
-    """The connector kv_transfer_config names (config.py checked that it is one of KV_CONNECTORS)."""
-    from backend.engine.kv_transfer.mooncake import MooncakeConnectorV1  # (its transfer engine loads on demand)
+    """The connector kv_transfer_config names (backend/config/kv_transfer.py checked that it is one of KV_CONNECTORS)."""
+    # The one deliberate cycle of the engine: the interface names its implementations. Lazy, so that Mooncake's
+    # transfer engine loads only where a connector is configured.
+    from backend.engine.kv_transfer.mooncake import MooncakeConnectorV1
 
     return {"MooncakeConnectorV1": MooncakeConnectorV1}[config.kv_connector](config, block_size, platform)
