@@ -60,6 +60,26 @@ def test_text_completion_stream_and_echo(client, reference_llm):
     assert by_ids.choices[0].text == expected.outputs[0].text
 
 
+def test_a_reader_that_splits_events_on_blank_lf_lines_gets_every_token_and_the_usage(gateway, reference_llm):
+    """vLLM's benchmark client reads a stream as OpenAI's and vLLM's servers frame it: events split on "\n\n" as
+    bytes arrive, whatever a read holds. Against our gateway it must see every token and the final usage."""
+    body = {"model": MODEL, "prompt": "The four seasons are", "temperature": 0, "max_tokens": 32, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    events, buffer = [], ""
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {GATEWAY_API_KEY}"}) as response:
+        for chunk in response.iter_text():
+            buffer += chunk
+            while "\n\n" in buffer:
+                event, buffer = buffer.split("\n\n", 1)
+                events.append(event.removeprefix("data: "))
+    assert buffer == "" and events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    [expected] = reference_llm.generate(body["prompt"], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected.outputs[0].text
+    assert chunks[-1]["usage"]["completion_tokens"] == 32
+
+
 def test_n_and_sampling_fields(client):
     result = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, temperature=1.0, seed=7,
                                             max_completion_tokens=12, presence_penalty=0.5, frequency_penalty=0.2,

@@ -32,23 +32,27 @@ def _app() -> Starlette:
     return Starlette(routes=[Route("/chunks", chunks), Route("/typed", typed)])
 
 
-def _read(path: str) -> list[tuple[str | None, str]]:
+def _raw(path: str) -> str:
     transport = httpx.ASGITransport(app=_app())
 
     async def read():
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             response = await client.get(path)
             assert response.status_code == 200
-            events, name = [], None
-            for line in response.text.splitlines():
-                if line.startswith("event: "):
-                    name = line[len("event: "):]
-                elif line.startswith("data: "):
-                    events.append((name, line[len("data: "):]))
-                    name = None
-            return events
+            return response.text
 
     return asyncio.run(read())
+
+
+def _read(path: str) -> list[tuple[str | None, str]]:
+    events, name = [], None
+    for line in _raw(path).splitlines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((name, line[len("data: "):]))
+            name = None
+    return events
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
@@ -75,3 +79,13 @@ def test_responses_streams_are_named_numbered_and_fail_with_an_error_event(fail)
                                 {"type": "response.failed", "message": "the engine went away", "sequence_number": 2}]
     else:
         assert [p["type"] for p in payloads] == ["first", "second"]  # no [DONE]: the last event says it is done
+
+
+@pytest.mark.parametrize("path", ["/chunks", "/typed"])
+def test_events_are_framed_as_openai_frames_them(path):
+    """LF line ends and a blank LF line after each event: a client that splits on "\n\n" alone (vLLM's benchmark
+    client does) reads every event whole."""
+    raw = _raw(path)
+    assert "\r" not in raw and raw.endswith("\n\n")
+    events = raw.removesuffix("\n\n").split("\n\n")
+    assert [event.splitlines()[-1] for event in events] == [f"data: {data}" for _, data in _read(path)]

@@ -11,6 +11,11 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from backend.gateway.errors import ApiError
 
+# Each line ends in LF, so each event in a blank line of LF: as OpenAI's and vLLM's servers frame them. (The SSE spec
+# allows CRLF, sse-starlette's default, but clients written against those servers split events on "\n\n" only, and
+# lose events framed otherwise: vLLM's own benchmark client among them.)
+LINE_END = "\n"
+
 
 def chunk_error(error: ApiError) -> list[str]:
     """The chat and completions streams' error event: OpenAI's error body as the data."""
@@ -33,7 +38,7 @@ def event_stream(events: AsyncIterator[str | ServerSentEvent], *,
         if done is not None:
             yield done
 
-    return EventSourceResponse(framed())
+    return EventSourceResponse(framed(), sep=LINE_END)
 
 
 def typed_event_stream(events: Callable[[Callable[[dict], ServerSentEvent]], AsyncIterator[ServerSentEvent]],
@@ -44,7 +49,8 @@ def typed_event_stream(events: Callable[[Callable[[dict], ServerSentEvent]], Asy
     sequence = itertools.count()
 
     def event(payload: dict) -> ServerSentEvent:
-        return ServerSentEvent(data=json.dumps({**payload, "sequence_number": next(sequence)}), event=payload["type"])
+        return ServerSentEvent(data=json.dumps({**payload, "sequence_number": next(sequence)}), event=payload["type"],
+                               sep=LINE_END)
 
     def error_events(error: ApiError) -> list[ServerSentEvent]:
         return [event({"type": "error", "code": error.type, "message": error.message, "param": error.param}),
