@@ -14,8 +14,9 @@ from starlette.routing import Route
 from backend.gateway.sse import event_stream, typed_event_stream
 
 
-async def _events(fail: bool, make):
+async def _events(fail: bool, make, pause_s: float = 0.0):
     yield make({"type": "first"})
+    await asyncio.sleep(pause_s)
     if fail:
         raise RuntimeError("the engine went away")
     yield make({"type": "second"})
@@ -23,7 +24,8 @@ async def _events(fail: bool, make):
 
 def _app() -> Starlette:
     async def chunks(request):
-        return event_stream(_events(request.query_params.get("fail") == "1", json.dumps))
+        pause_s = float(request.query_params.get("pause", 0))
+        return event_stream(_events(request.query_params.get("fail") == "1", json.dumps, pause_s))
 
     async def typed(request):
         return typed_event_stream(lambda event: _events(request.query_params.get("fail") == "1", event),
@@ -89,3 +91,12 @@ def test_events_are_framed_as_openai_frames_them(path):
     assert "\r" not in raw and raw.endswith("\n\n")
     events = raw.removesuffix("\n\n").split("\n\n")
     assert [event.splitlines()[-1] for event in events] == [f"data: {data}" for _, data in _read(path)]
+
+
+def test_no_keep_alive_comment_comes_between_events(monkeypatch):
+    """OpenAI's and vLLM's servers send none, and clients written against them lose the event after one."""
+    from sse_starlette.sse import EventSourceResponse
+
+    monkeypatch.setattr(EventSourceResponse, "DEFAULT_PING_INTERVAL", 0.05)  # (sse-starlette's default: 15 s)
+    raw = _raw("/chunks?pause=0.3")
+    assert not any(line.startswith(":") for line in raw.splitlines()), raw

@@ -11,10 +11,12 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from backend.gateway.errors import ApiError
 
-# Each line ends in LF, so each event in a blank line of LF: as OpenAI's and vLLM's servers frame them. (The SSE spec
-# allows CRLF, sse-starlette's default, but clients written against those servers split events on "\n\n" only, and
-# lose events framed otherwise: vLLM's own benchmark client among them.)
+# Each line ends in LF, so each event in a blank line of LF, and no keep-alive comments: as OpenAI's and vLLM's
+# servers send them. (The SSE spec allows CRLF and comments, sse-starlette's defaults, but clients written against
+# those servers split events on "\n\n" only and do not expect a comment between events: vLLM's own benchmark client
+# lost every event after a ping until two arrived in one read, and the usage with them.)
 LINE_END = "\n"
+NO_PINGS = 0
 
 
 def chunk_error(error: ApiError) -> list[str]:
@@ -38,7 +40,7 @@ def event_stream(events: AsyncIterator[str | ServerSentEvent], *,
         if done is not None:
             yield done
 
-    return EventSourceResponse(framed(), sep=LINE_END)
+    return EventSourceResponse(framed(), sep=LINE_END, ping=NO_PINGS)
 
 
 def typed_event_stream(events: Callable[[Callable[[dict], ServerSentEvent]], AsyncIterator[ServerSentEvent]],
