@@ -238,5 +238,10 @@ def test_waiting_and_prefix_cache_gauges_follow_a_known_load(triton_server):
     assert not _grpc_generate(triton_server, long_prompt, {"temperature": 0, "max_tokens": 2}).errors
     triton_server.settled()
     before = triton_server.metric("vllm:prefix_cache_hit_rate")
+    hits, queries = (triton_server.metric(f"vllm:prefix_cache_{name}_total") for name in ("hits", "queries"))
     assert not _grpc_generate(triton_server, long_prompt, {"temperature": 0, "max_tokens": 2}).errors
     assert triton_server.wait_metric("vllm:prefix_cache_hit_rate", lambda v: v > before) > before  # the repeat hit
+    # vLLM's counters of the same, in tokens: the repeat's whole blocks hit, all but its last token's
+    hit = triton_server.metric("vllm:prefix_cache_hits_total") - hits
+    looked_up = triton_server.metric("vllm:prefix_cache_queries_total") - queries
+    assert hit > 0 and hit % 16 == 0 and looked_up - 16 <= hit < looked_up, (hit, looked_up)

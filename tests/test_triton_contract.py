@@ -201,6 +201,11 @@ def test_vllm_metric_families_count_a_known_load(triton_server):
     assert delta("vllm:time_to_first_token_seconds_count") == delta("vllm:e2e_request_latency_seconds_count") == 3
     # as vLLM: one observation per gap between two tokens of a sequence
     assert delta("vllm:time_per_output_token_seconds_count") == generated - sequences
+    assert delta("vllm:inter_token_latency_seconds_count") == generated - sequences  # (vLLM's current name)
+    # vLLM's prefix-cache counters, in tokens, as the hit-rate gauge counts them: each admitted sequence looks its
+    # prompt up; this prompt is shorter than a block (16 tokens), so no block of it is ever cached and none hits
+    assert delta("vllm:prefix_cache_queries_total") == prompt_tokens // 3 * sequences
+    assert prompt_tokens // 3 < 16 and delta("vllm:prefix_cache_hits_total") == 0
     assert delta("vllm:request_prompt_tokens_count") == 3 and delta("vllm:request_prompt_tokens_sum") == prompt_tokens
     assert delta("vllm:request_generation_tokens_count") == 3
     assert delta("vllm:request_generation_tokens_sum") == generated

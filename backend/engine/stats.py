@@ -25,6 +25,8 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of KV blocks held by requests
     prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / looked up
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
     num_computed_tokens: int  # tokens run through the model
     num_prompt_tokens: int  # prompt tokens of admitted requests
@@ -45,6 +47,8 @@ def collect_stats(scheduler: Scheduler, kv: KVCacheManager, model, drafter: MTPD
         num_waiting=len(scheduler.waiting) + len(scheduler.loading) + len(scheduler.loaded),
         kv_cache_usage=kv.usage,
         prefix_cache_hit_rate=kv.prefix_hit_rate,
+        prefix_cache_queries=kv.prefix_queries,
+        prefix_cache_hits=kv.prefix_hits,
         num_preemptions=scheduler.num_preemptions,
         num_computed_tokens=scheduler.num_computed_tokens,
         num_prompt_tokens=scheduler.num_prompt_tokens,

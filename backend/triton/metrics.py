@@ -107,6 +107,9 @@ class VllmMetrics:
                               LATENCY_BUCKETS)
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
                               TPOT_BUCKETS)
+        # vLLM's current name for the same gaps (vllm_backend's dashboards read the one above, vLLM's the other)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             TPOT_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                              LATENCY_BUCKETS)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
@@ -133,6 +136,12 @@ class VllmMetrics:
         self.prefix_hit_rate = family(
             "vllm:prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens (0 to 1).", Family.GAUGE
         )
+        # vLLM's current prefix-cache counters (dashboards divide their rates for the hit rate), in tokens
+        self.prefix_queries = family("vllm:prefix_cache_queries_total",
+                                     "Prefix cache queries, in terms of number of queried tokens.", Family.COUNTER)
+        self.prefix_hits = family("vllm:prefix_cache_hits_total",
+                                  "Prefix cache hits, in terms of number of cached tokens.", Family.COUNTER)
+        self._prefix_seen: dict[str, int] = {}
         # Info metrics: the labels carry the facts, the value is 1.
         new_family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.", Family.GAUGE).Metric(
             labels={**labels, **cache_info}).set(1)
@@ -196,6 +205,8 @@ class VllmMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        _advance(self.prefix_queries, self._prefix_seen, "queries", stats.prefix_cache_queries)
+        _advance(self.prefix_hits, self._prefix_seen, "hits", stats.prefix_cache_hits)
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.increment(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
@@ -253,6 +264,7 @@ class VllmMetrics:
                 self.success[reason].increment(1)
         for gap in r.inter_token_s:
             self.tpot.observe(gap)
+            self.itl.observe(gap)
         for histogram, value in ((self.ttft, r.ttft_s), (self.queue_time, r.queue_s),
                                  (self.prefill_time, r.prefill_s), (self.decode_time, r.decode_s),
                                  (self.inference_time, r.inference_s)):
