@@ -253,17 +253,8 @@ class LLMEngine:
         """Text and stop strings (the output processor), then one output per user request that changed: those
         aborted since the last step first."""
         aborted, self._aborted = self._aborted, []
-        return aborted + self.outputs.process(new_tokens, self._stop, self._fail_sequence, self._fail)
-
-    def _stop(self, request: Request, stop_string: str, num_after: int) -> None:
-        """A stop string ended a sequence: tokens after it (a verified draft's next one) are not its own, nor counted
-        as generated."""
-        del request.token_ids[len(request.token_ids) - num_after:]
-        self.scheduler.num_generation_tokens -= num_after
-        if request.finished:  # (a token after the stop string ended it: its blocks are back already)
-            request.finish("stop", stop_string)
-        else:
-            self.scheduler.finish(request, "stop", stop_string)
+        return aborted + self.outputs.process(new_tokens, self.scheduler.finish_at_stop_string, self._fail_sequence,
+                                              self._fail)
 
     def _after_step(self, scheduled: list[ScheduledRequest], started: float) -> None:
         """With nothing to run, wait for a grammar being compiled (if any) instead of spinning; profile the step."""

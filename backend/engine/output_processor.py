@@ -44,10 +44,9 @@ class RequestState:
         stopped_by_token = num_after == 0 and request.finished and request.finish_reason == "stop"
         if stopped_by_token and not request.params.include_stop_str_in_output:
             return None  # the stop token's text is not part of the output
-        # (only past min_tokens do stop strings count; a sequence a stop token ended is not also ended by one)
-        can_stop = request.num_output_tokens - num_after > request.params.min_tokens and not stopped_by_token
-        with scope("detokenize"):
-            return self.detokenizer.add_token(sampled.token_id, check_stop=can_stop)
+        with scope("detokenize"):  # a sequence a stop token ended is not also ended by a stop string
+            return self.detokenizer.add_token(sampled.token_id,
+                                              check_stop=request.can_stop(num_after) and not stopped_by_token)
 
     def add_prompt_logprobs(self, entries: list[dict[int, Logprob]]) -> None:
         """The next prompt tokens' logprobs, from one chunk (each token's own text, as for the sampled ones)."""

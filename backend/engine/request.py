@@ -73,11 +73,11 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def can_stop(self) -> bool:
-        """The output is longer than min_tokens: only now do stop strings count (as in vLLM), and stop tokens
-        (vLLM checks >= min_tokens, which is the same since the sampler masks stop tokens until then)."""
-        return self.num_output_tokens > self.params.min_tokens
+    def can_stop(self, num_after: int = 0) -> bool:
+        """The output up to the token checked (num_after tokens before its end) is longer than min_tokens: only then
+        do stop strings count (as in vLLM), and stop tokens (vLLM checks >= min_tokens, which is the same since the
+        sampler masks stop tokens until then)."""
+        return self.num_output_tokens - num_after > self.params.min_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

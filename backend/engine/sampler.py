@@ -87,13 +87,12 @@ def ranked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
     chosen_ranks = _ranks(logits, tokens).tolist()
     k = min(max(tops, default=0), logits.shape[1])
-    top_ids = _top_ids(logits, k) if k else None
-    top_ids_list = top_ids.tolist() if k else None
-    top_values = logprobs.gather(1, top_ids).tolist() if k else None
+    top_ids = _top_ids(logits, k) if k else tokens.new_empty(len(tokens), 0)
+    top_values = logprobs.gather(1, top_ids).tolist()
     entries = []
-    for row, (token, top) in enumerate(zip(tokens.tolist(), tops)):
+    for row, (token, top, ids) in enumerate(zip(tokens.tolist(), tops, top_ids.tolist())):
         entry = {token: Logprob(chosen[row], chosen_ranks[row])}
-        for rank, (tid, lp) in enumerate(zip(top_ids_list[row][:top], top_values[row][:top]) if top else (), 1):
+        for rank, (tid, lp) in enumerate(zip(ids[:top], top_values[row][:top]), start=1):
             entry.setdefault(tid, Logprob(lp, rank))
         entries.append(entry)
     return entries

@@ -286,11 +286,21 @@ class Scheduler:
         """A sampled token joins the request; a stop token or its length finishes it."""
         request.append_output_token(token)
         grammar_ended = request.grammar is not None and request.grammar.terminated  # min_tokens yielded to it
-        if (request.can_stop or grammar_ended) and token in request.stop_token_ids:
+        if (request.can_stop() or grammar_ended) and token in request.stop_token_ids:
             self.finish(request, "stop", None if token in request.eos_token_ids and not request.params.ignore_eos
                         else token)
         elif request.num_output_tokens >= request.max_tokens:
             self.finish(request, "length")
+
+    def finish_at_stop_string(self, request: Request, stop_string: str, num_after: int) -> None:
+        """The output processor found a stop string num_after tokens before the request's end: the tokens after it
+        (a verified draft's next one) are not the request's, nor counted as generated."""
+        del request.token_ids[len(request.token_ids) - num_after:]
+        self.num_generation_tokens -= num_after
+        if request.finished:  # (a token after the stop string ended it: its blocks are back already)
+            request.finish("stop", stop_string)
+        else:
+            self.finish(request, "stop", stop_string)
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request (stop, length or abort) and give its blocks back, unless a consumer will pull them."""

@@ -62,7 +62,7 @@ OUTPUTS = [
 # request parameters, where kv_transfer_params (disaggregated prefill) are JSON text under this name.
 KV_TRANSFER_PARAMETER = "kv_transfer_params"
 # vllm_backend's clients send these as JSON text inside the sampling parameters: decoded here, once.
-JSON_TEXT_FIELDS = ("structured_outputs", KV_TRANSFER_PARAMETER)
+JSON_TEXT_FIELDS = ("structured_outputs", "guided_decoding", KV_TRANSFER_PARAMETER)
 
 
 @dataclass
@@ -183,14 +183,9 @@ def _objects_from_text(values: dict) -> None:
 def _from_guided_decoding(values: dict) -> None:
     """vLLM's older guided_decoding key (an object or its JSON text), as structured_outputs, in place, as
     vllm_backend maps it; structured_outputs wins when both are given."""
-    guided = values.pop("guided_decoding", None)
+    guided = values.pop("guided_decoding", None)  # (its JSON text decoded already: _objects_from_text)
     if guided is None:
         return
-    if isinstance(guided, str):
-        try:
-            guided = json.loads(guided)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"guided_decoding is not valid JSON: {e}") from None
     if not isinstance(guided, dict):
         raise ValueError("guided_decoding must be a JSON object")
     guided = dict(guided)
