@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from backend import LLM, SamplingParams
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
+from backend.engine.engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +116,27 @@ def test_failing_step_fails_its_requests_not_the_loop(engine, monkeypatch):
 
     text, last = asyncio.run(main())
     assert last.finished and last.outputs[0].finish_reason in ("length", "stop")
+
+
+
+def test_the_engine_is_built_on_its_step_thread_and_a_failed_build_raises_here(monkeypatch, tmp_path):
+    """Built on the step thread, the engine's torch work has one OpenMP pool (docs/performance.md, "One OpenMP
+    pool"); a model that cannot load still raises at the caller, and leaves no step thread behind."""
+    built_on = []
+    build = LLMEngine.__init__
+
+    def recording_build(self, config):
+        built_on.append(threading.current_thread())
+        build(self, config)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_build)
+    eng = AsyncEngine.from_config(EngineConfig(dtype="float32", num_kv_blocks=64))
+    try:
+        assert built_on == [eng._thread] and eng._thread is not threading.current_thread()
+    finally:
+        eng.shutdown()
+    with pytest.raises(Exception, match="no-such-model"):
+        AsyncEngine.from_config(EngineConfig(model=str(tmp_path / "no-such-model"), dtype="float32"))
+    assert len(built_on) == 2
+    built_on[1].join(5)  # (it ends right after handing over the error)
+    assert not built_on[1].is_alive()

@@ -1,7 +1,10 @@
 """AsyncEngine: the LLMEngine stepping on its own thread, one async stream per request.
 
-The engine is single-threaded by design: every call into it (add, abort, step) happens on
-the step thread, fed through a command queue. Outputs travel back to each caller's event
+The engine is single-threaded by design: it is built on the step thread, and every call into it (add, abort,
+step) happens there, fed through a command queue. Built anywhere else, it would cost a fifth of the throughput on
+the CPU: torch's OpenMP runtime (libgomp) keeps a pool of worker threads for each thread that runs parallel work,
+and once it manages more threads than there are cores it stops its workers spinning between parallel regions, so
+every small op pays to wake them (docs/performance.md, "One OpenMP pool"). Outputs travel back to each caller's event
 loop with call_soon_threadsafe, so the step loop never waits on asyncio and asyncio never
 waits on a step. The step thread alone maps request ids to streams, in command order, so an
 abort of a finished request can never reach a newer request that reuses its id.
@@ -13,6 +16,7 @@ stream ends with EngineDeadError, new requests get it at once, and on_dead is to
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -73,25 +77,27 @@ class _Stop:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None):
-        """on_dead(error) is called (on the step thread) if that thread ever stops on an error."""
-        self.engine = engine
+    engine: LLMEngine  # built on, and used only from, the step thread (after __init__: read-only elsewhere)
+
+    def __init__(self, config: EngineConfig, on_dead: Callable[[BaseException], None] | None = None):
+        """Builds the engine on its step thread; a failure to build raises here. on_dead(error) is called (on the
+        step thread) if that thread ever stops on an error."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._routes: dict[str, _Stream] = {}  # step thread only: request id -> the stream that reads it
         self._ids = itertools.count()
-        self._stats = engine.stats()
-        self._info = engine.engine_info()
         self._stopping = False
         self._lock = threading.Lock()  # a command is either queued before the thread stops (or dies), or refused
         self.dead_error: BaseException | None = None
         self._on_dead = on_dead
-        self._thread = threading.Thread(target=self._run, name="npu-llm-engine", daemon=True)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(config, built), name="npu-llm-engine", daemon=True)
         self._thread.start()
+        built.result()  # the engine, its stats and info are set once this returns
 
     @classmethod
     def from_config(cls, config: EngineConfig, on_dead: Callable[[BaseException], None] | None = None) -> "AsyncEngine":
-        return cls(LLMEngine(config), on_dead)
+        return cls(config, on_dead)
 
     @property
     def tokenizer(self):
@@ -200,7 +206,15 @@ class AsyncEngine:
 
     # -- the step thread --------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
+        try:
+            self.engine = LLMEngine(config)
+            self._stats = self.engine.stats()
+            self._info = self.engine.engine_info()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
         try:
             self._serve()
         except BaseException as e:  # a failure no request owns: the engine's state can't be trusted any more
