@@ -6,7 +6,7 @@
 // 64 experts' small matmuls from Python than in them. Here the experts with few tokens are (expert, stripe of
 // output columns) tasks of one parallel region. The weights are stored in stripes, [E, N / S, K, S]
 // (pack_expert_weights in npu_llm_kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and
-// computes outer products: each weight vector read once per four tokens, each token's value broadcast, no
+// computes outer products: each weight vector read once per tile of tokens, each token's value broadcast, no
 // horizontal sums. An expert with many tokens (prefill) runs on AMX tiles where the CPU has them, through oneDNN's
 // brgemm microkernel on the same packed stripes; elsewhere it gets oneDNN's matmul, where AVX512-BF16 (or, in fp32,
 // its blocking) beats these tiles. Rounding follows torch_ref: matmul outputs and the activation are rounded to the
@@ -51,8 +51,15 @@ inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
-constexpr int64_t kTokens = 4;   // tokens per register tile
-constexpr int64_t kVectors = 4;  // output vectors per register tile: 4 x 4 accumulators
+// A register tile: kTokens x kVectors accumulators, beside kVectors weight vectors and one broadcast. AVX-512's 32
+// registers hold 4 x 4; AVX2's 16 hold 6 x 2 (4 x 4 would spill).
+#if defined(__AVX512F__)
+constexpr int64_t kTokens = 4;
+constexpr int64_t kVectors = 4;
+#else
+constexpr int64_t kTokens = 6;
+constexpr int64_t kVectors = 2;
+#endif
 constexpr int64_t kStripe = kVectors * kWidth;  // output columns per task
 constexpr int64_t kOneDnnRows = 64;  // oneDNN's matmuls take rows in multiples of this
 
@@ -141,16 +148,19 @@ constexpr bool kPairs = true;
 constexpr bool kPairs = false;
 #endif
 
+// tile<rows> for 1 <= rows <= M
+template <int M, typename T>
+inline void tile_of(int64_t rows, const float* x, const T* w, int64_t k, int64_t n, int64_t n0, T* y) {
+  if constexpr (M > 1) {
+    if (rows < M) return tile_of<M - 1>(rows, x, w, k, n, n0, y);
+  }
+  tile<M>(x, w, k, n, n0, y);
+}
+
 template <typename T>
 void stripe(const float* x, int64_t m, const T* w, int64_t k, int64_t n, int64_t n0, T* y) {
-  for (int64_t t = 0; t < m; t += kTokens) {  // the stripe's weights: from memory once, then from cache
-    switch (std::min(kTokens, m - t)) {
-      case 1: tile<1>(x + t * k, w, k, n, n0, y + t * n); break;
-      case 2: tile<2>(x + t * k, w, k, n, n0, y + t * n); break;
-      case 3: tile<3>(x + t * k, w, k, n, n0, y + t * n); break;
-      default: tile<4>(x + t * k, w, k, n, n0, y + t * n); break;
-    }
-  }
+  for (int64_t t = 0; t < m; t += kTokens)  // the stripe's weights: from memory once, then from cache
+    tile_of<kTokens>(std::min(kTokens, m - t), x + t * k, w, k, n, n0, y + t * n);
 }
 
 // y [pairs, n] = x [pairs, k] w_e [k, n] for each expert's rows of x (w: [E, n / kStripe, k, kStripe]): the experts
