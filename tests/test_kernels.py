@@ -93,12 +93,12 @@ def test_paged_attention_bf16_within_tolerance(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim, num_kv_heads, group", [(64, 3, 3), (64, 2, 7), (128, 2, 4), (128, 1, 1),
-                                                            (576, 1, 8), (64, 1, 11), (40, 2, 2), (36, 1, 2)])
+                                                            (576, 1, 8), (72, 1, 11), (40, 2, 2), (36, 1, 2)])
 def test_cpu_decode_kernel_at_the_head_dims_it_vectorizes(dtype, head_dim, num_kv_heads, group, cpu_level):
     # csrc/decode_attention_avx512.cpp: tiles of 16 tokens (partial ones too), query heads in registers
     # four (D 64) or two (D 128) at a time, blocks crossed mid-tile. csrc/paged_attention_cpu.cpp with AVX2: head dims
-    # that are multiples of 8 (576: DeepSeek's latent rows), up to 8 query heads of a KV head at once (11: 8, then
-    # 3); 36 takes its portable loop.
+    # that are multiples of 8 but 64 and 128 (576: DeepSeek's latent rows), up to 8 query heads of a KV head at once
+    # (72 x 11: 8, then 3); 36 takes its portable loop.
     decodes = [(ctx, 1) for ctx in (1, 15, 16, 17, 40, 300)]
     ours, reference = _run_batch(decodes, 16, cpu, dtype=dtype, num_heads=num_kv_heads * group,
                                  num_kv_heads=num_kv_heads, head_dim=head_dim)
