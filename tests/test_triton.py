@@ -245,3 +245,60 @@ def test_waiting_and_prefix_cache_gauges_follow_a_known_load(triton_server):
     hit = triton_server.metric("vllm:prefix_cache_hits_total") - hits
     looked_up = triton_server.metric("vllm:prefix_cache_queries_total") - queries
     assert hit > 0 and hit % 16 == 0 and looked_up - 16 <= hit < looked_up, (hit, looked_up)
+
+
+def _post(url: str, headers: dict | None = None, body: dict | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_model_control_needs_the_control_key_and_the_model_stays_up(triton_server):
+    """Triton's model-control API refuses a client without the control key, on HTTP and gRPC; with it, it answers."""
+    import os
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from backend.triton.contract import CONTROL_KEY_ENV
+    from backend.triton.launcher import CONTROL_KEY_HEADER
+
+    base = f"http://{triton_server.http_url}/v2"
+    for path in ("/repository/models/llm/unload", "/repository/models/llm/load", "/repository/index",
+                 "/systemsharedmemory/region/x/register", "/trace/setting", "/logging"):
+        status, text = _post(base + path)
+        assert status == 403, (path, status, text)
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    for call in (lambda: client.unload_model("llm"), lambda: client.get_model_repository_index(),
+                 lambda: client.update_log_settings({"log_file": "/tmp/npu-llm-owned.log"})):
+        with pytest.raises(InferenceServerException, match="(?i)restricted|permission|unavailable|denied"):
+            call()
+    assert client.is_model_ready("llm")
+    assert urllib.request.urlopen(f"{base}/models/llm/ready", timeout=10).status == 200
+
+    status, text = _post(base + "/repository/index", {CONTROL_KEY_HEADER: os.environ[CONTROL_KEY_ENV]})
+    assert status == 200 and {"name": "llm", "version": "1", "state": "READY"} in json.loads(text)
+
+
+def test_profile_actions_need_the_control_key_and_engine_info_does_not(triton_server):
+    """A client reaching Triton cannot start a profile (a capture writes files and slows every request) without
+    the key the gateway sends; the read-only engine_info stays open."""
+    import os
+
+    from backend.triton.contract import ADMIN_PARAMETER, CONTROL_KEY_ENV, CONTROL_KEY_PARAMETER
+
+    generate = f"http://{triton_server.http_url}/v2/models/llm/generate"
+    for given in ({}, {CONTROL_KEY_PARAMETER: "a-guess"}):
+        status, text = _post(generate, body={"text_input": "", "parameters": {ADMIN_PARAMETER: "start_profile",
+                                                                              **given}})
+        assert status == 400 and "control key" in text, (status, text)
+    status, text = _post(generate, body={"text_input": "", "parameters": {ADMIN_PARAMETER: "engine_info"}})
+    assert status == 200 and json.loads(json.loads(text)["text_output"])["max_model_len"] > 0
+
+    key = {CONTROL_KEY_PARAMETER: os.environ[CONTROL_KEY_ENV]}
+    for action, profiling in (("start_profile", True), ("stop_profile", False)):
+        status, text = _post(generate, body={"text_input": "", "parameters": {ADMIN_PARAMETER: action, **key}})
+        assert status == 200 and json.loads(json.loads(text)["text_output"])["profiling"] is profiling, text

@@ -19,6 +19,7 @@ from backend.triton.model_json import ModelJson, parse_model_json
 from backend.triton.launcher import (
     DEFAULT_REPOSITORY,
     LaunchError,
+    control_key,
     find_tritonserver,
     make_work_dir,
     run_copy,
@@ -77,7 +78,7 @@ def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port:
     work_dir = make_work_dir()
     server = find_tritonserver(work_dir)
     argv, env = server_command(server, run_copy(repository, work_dir, engine_args), http_port, grpc_port,
-                               metrics_port, list(extra), host)
+                               metrics_port, list(extra), host, control_key())
     process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=new_session)
     return process, work_dir

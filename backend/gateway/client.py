@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -11,7 +12,14 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.engine.sampling_params import SamplingParams
-from backend.triton.contract import ADMIN_PARAMETER, ENGINE_UNAVAILABLE, INVALID_REQUEST, sampling_parameters_json
+from backend.triton.contract import (
+    ADMIN_PARAMETER,
+    CONTROL_KEY_ENV,
+    CONTROL_KEY_PARAMETER,
+    ENGINE_UNAVAILABLE,
+    INVALID_REQUEST,
+    sampling_parameters_json,
+)
 
 
 class TritonUnavailable(RuntimeError):
@@ -112,9 +120,12 @@ class TritonClient:
 
     async def admin(self, action: str) -> dict:
         """An engine admin action (backend/triton/contract.py ADMIN_ACTIONS); the model's JSON answer."""
+        parameters = {ADMIN_PARAMETER: action}
+        if os.environ.get(CONTROL_KEY_ENV):  # (set by `npu-llm up`, or by hand beside `npu-llm serve`'s)
+            parameters[CONTROL_KEY_PARAMETER] = os.environ[CONTROL_KEY_ENV]
+
         async def requests():
-            yield {"model_name": self.model, "inputs": [infer_input("text_input", b"")],
-                   "parameters": {ADMIN_PARAMETER: action}}
+            yield {"model_name": self.model, "inputs": [infer_input("text_input", b"")], "parameters": parameters}
 
         try:
             async for result, error in self._client.stream_infer(inputs_iterator=requests()):

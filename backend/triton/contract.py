@@ -5,6 +5,7 @@ without a running Triton.
 """
 from __future__ import annotations
 
+import hmac
 import json
 from dataclasses import dataclass
 
@@ -25,6 +26,14 @@ ENGINE_UNAVAILABLE = "engine unavailable: "
 # asks for engine_info (the served max_model_len).
 ADMIN_PARAMETER = "npu_llm_admin"
 ADMIN_ACTIONS = ("start_profile", "stop_profile", "engine_info")
+# The server's control key (docs/reliability.md, threat model): `npu-llm serve` and `up` put it in this environment
+# variable of Triton, of the python stub and of the gateway they start, and restrict Triton's model-control APIs to
+# requests carrying it. An admin action that changes the engine (a profile writes files and slows every request)
+# must carry it too, as this request parameter; engine_info is a lookup, as open as vLLM's /v1/models. A Triton
+# started by hand, without the variable, leaves its admin actions as open as its own APIs.
+CONTROL_KEY_ENV = "NPU_LLM_CONTROL_KEY"
+CONTROL_KEY_PARAMETER = "npu_llm_control_key"
+KEYED_ADMIN_ACTIONS = ("start_profile", "stop_profile")
 
 # A token a grammar forbids has logprob -inf, which JSON cannot carry: vLLM's serving layer clamps it to this.
 MIN_LOGPROB = -9999.0
@@ -101,11 +110,22 @@ def request_parameters(raw: str | None) -> dict:
     return _json_object(raw or "{}", "request parameters")
 
 
-def admin_action(parameters: dict) -> str | None:
-    """The admin action a request asks for, or None for an ordinary generation request."""
+class AdminRefused(ValueError):
+    """An admin action without the server's control key."""
+
+
+def admin_action(parameters: dict, control_key: str | None = None) -> str | None:
+    """The admin action a request asks for, or None for an ordinary generation request. With a control_key, a
+    keyed action (KEYED_ADMIN_ACTIONS) whose request lacks that key raises AdminRefused."""
     action = parameters.get(ADMIN_PARAMETER)
-    if action is not None and action not in ADMIN_ACTIONS:
+    if action is None:
+        return None
+    if action not in ADMIN_ACTIONS:
         raise ValueError(f"{ADMIN_PARAMETER} must be one of {', '.join(ADMIN_ACTIONS)}; got {action!r}")
+    given = str(parameters.get(CONTROL_KEY_PARAMETER, ""))
+    if control_key and action in KEYED_ADMIN_ACTIONS and not hmac.compare_digest(given.encode(), control_key.encode()):
+        raise AdminRefused(f"{action} needs this server's control key (the {CONTROL_KEY_PARAMETER} parameter; "
+                           f"the gateway sends {CONTROL_KEY_ENV} from its environment)")
     return action
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import sys
 import sysconfig
@@ -16,14 +17,31 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.triton.contract import CONTROL_KEY_ENV
 from backend.triton.instances import with_instance_count
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 
 
+# Triton's APIs that no client of ours needs and that change the server: model control (a loaded model's code runs
+# in the server: "can lead to arbitrary code execution", its docs say), shared-memory registration, and the trace and
+# log settings (they name files the server writes). Restricted on HTTP and gRPC to requests with the control key in
+# this header. The model's own unload when its engine dies (pb_utils.unload_model) is in-process and unaffected.
+RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"
+CONTROL_KEY_HEADER = "npu-llm-control-key"
+
+
 class LaunchError(RuntimeError):
     pass
+
+
+def control_key() -> str:
+    """The control key of this process and what it starts: NPU_LLM_CONTROL_KEY when set, else a new random key,
+    put into this process's environment so that every Triton and gateway started from here shares it."""
+    if not os.environ.get(CONTROL_KEY_ENV):
+        os.environ[CONTROL_KEY_ENV] = secrets.token_urlsafe(32)
+    return os.environ[CONTROL_KEY_ENV]
 
 
 @dataclass
@@ -106,10 +124,11 @@ def run_copy(repository: Path, work_dir: Path, engine_args: dict) -> Path:
 
 def server_command(
     server: Tritonserver, repository: Path, http_port: int, grpc_port: int, metrics_port: int, extra: list[str] = (),
-    host: str = "127.0.0.1",
+    host: str = "127.0.0.1", key: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """host: the address of all three endpoints. Loopback by default: Triton has no authentication, so an open
-    port would bypass the gateway's API key."""
+    port would bypass the gateway's API key. key: the control key (see control_key), or None to leave Triton's
+    APIs unrestricted."""
     argv = [
         str(server.binary),
         f"--model-repository={repository}",
@@ -126,9 +145,14 @@ def server_command(
         "--exit-timeout-secs=10",
         *extra,
     ]
+    env = {**os.environ, **server.env}
+    if key:
+        argv += [f"--http-restricted-api={RESTRICTED_APIS}:{CONTROL_KEY_HEADER}={key}",
+                 f"--grpc-restricted-protocol={RESTRICTED_APIS}:{CONTROL_KEY_HEADER}={key}"]
+        env[CONTROL_KEY_ENV] = key  # for the model's keyed admin actions (backend/triton/contract.py)
     if server.backend_dir is not None:
         argv.append(f"--backend-directory={server.backend_dir}")
-    return argv, {**os.environ, **server.env}
+    return argv, env
 
 
 def make_work_dir() -> Path:
