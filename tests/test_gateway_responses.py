@@ -187,6 +187,24 @@ def test_what_the_responses_api_cannot_honour_is_a_400_naming_it(gateway, body, 
     assert message in error["message"] and error["param"] == param
 
 
+@pytest.mark.parametrize("metadata, message", [
+    ({f"k{i}": "v" for i in range(17)}, "at most 16 items"),
+    ({"k" * 65: "v"}, "at most 64 characters"),
+    ({"k": "v" * 513}, "at most 512 characters"),
+])
+def test_metadata_beyond_openais_limits_is_a_400_naming_it(gateway, metadata, message):
+    """A response keeps its metadata: bounded as OpenAI bounds it, so that stored responses cannot fill memory."""
+    response = httpx.post(f"{gateway}/v1/responses", json={"model": MODEL, "input": "hi", "metadata": metadata},
+                          headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"].startswith("metadata"), error
+    at_limit = {f"k{i:02d}" + "k" * 61: "v" * 512 for i in range(16)}
+    kept = httpx.post(f"{gateway}/v1/responses", json={"model": MODEL, "input": "hi", "metadata": at_limit,
+                                                       "max_output_tokens": 1}, headers=AUTH, timeout=60)
+    assert kept.status_code == 200 and kept.json()["metadata"] == at_limit
+
+
 def test_what_asks_for_nothing_is_accepted(gateway):
     """Fields sent at their defaults (as SDKs and agent frameworks send them) ask for nothing the server refuses."""
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "background": False, "top_logprobs": 0,

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from backend.engine.sampling_params import INT64_MAX, INT64_MIN, StructuredOutputsParams, TokenId
 
@@ -26,6 +26,9 @@ UNSUPPORTED = {
 }
 # OpenAI's metadata fields: they change nothing about the output, so they are accepted and have no effect.
 METADATA = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+# A metadata field within OpenAI's limits: 16 pairs, keys of up to 64 characters, values of up to 512.
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+                     Field(max_length=16)]
 # What the server passes to apply_chat_template itself, or what would change what it returns: not the request's.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",

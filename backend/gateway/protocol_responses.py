@@ -11,6 +11,7 @@ from backend.engine.sampling_params import INT64_MAX, INT64_MIN, StructuredOutpu
 from backend.gateway.protocol import (
     FunctionDefinition,
     JsonSchemaFormat,
+    Metadata,
     NamedFunction,
     NamedToolChoice,
     OpenAIModel,
@@ -191,7 +192,7 @@ class ResponsesRequest(OpenAIModel):
     stream: bool | None = None
     store: bool | None = None  # kept for previous_response_id (backend/gateway/response_store.py); none: true
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None  # kept with the response: bounded as OpenAI bounds it
     truncation: Literal["disabled"] | None = None  # ("auto" would drop input the client sent)
     # vLLM's extras (the openai SDK sends them through extra_body), as on chat completions
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)

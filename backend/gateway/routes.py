@@ -65,12 +65,13 @@ async def completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     req = await parse(request, ResponsesRequest)
     state = request.app.state
-    return await until_disconnected(request, serving_responses.answer(state.serving, state.response_store, req,
-                                                                      request.state.started))
+    store = state.response_store.of(request.headers.get("authorization"))
+    return await until_disconnected(request, serving_responses.answer(state.serving, store, req, request.state.started))
 
 
 async def kept_response(request: Request) -> Response:
-    store, response_id = request.app.state.response_store, request.path_params["response_id"]
+    store = request.app.state.response_store.of(request.headers.get("authorization"))
+    response_id = request.path_params["response_id"]
     if request.method == "DELETE":
         return serving_responses.forget(store, response_id)
     return serving_responses.retrieve(store, response_id)

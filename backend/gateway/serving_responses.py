@@ -16,7 +16,7 @@ from backend.gateway.errors import ApiError
 from backend.gateway.protocol import ChatCompletionRequest
 from backend.gateway.protocol_responses import ResponsesRequest, as_messages
 from backend.gateway.request_body import validate
-from backend.gateway.response_store import ResponseStore
+from backend.gateway.response_store import CallersResponses
 from backend.gateway.serving import Serving, Totals
 from backend.gateway.sse import typed_event_stream
 
@@ -25,7 +25,7 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-async def answer(serving: Serving, store: ResponseStore, req: ResponsesRequest, started: float) -> Response:
+async def answer(serving: Serving, store: CallersResponses, req: ResponsesRequest, started: float) -> Response:
     history = []
     if req.previous_response_id is not None:
         kept = store.get(req.previous_response_id)
@@ -59,14 +59,14 @@ async def answer(serving: Serving, store: ResponseStore, req: ResponsesRequest, 
     return JSONResponse(response)
 
 
-def retrieve(store: ResponseStore, response_id: str) -> Response:
+def retrieve(store: CallersResponses, response_id: str) -> Response:
     kept = store.get(response_id)
     if kept is None:
         raise ApiError(404, f"no response {response_id!r} is kept here", "not_found_error")
     return JSONResponse(kept.response)
 
 
-def forget(store: ResponseStore, response_id: str) -> Response:
+def forget(store: CallersResponses, response_id: str) -> Response:
     if not store.forget(response_id):
         raise ApiError(404, f"no response {response_id!r} is kept here", "not_found_error")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
@@ -99,7 +99,7 @@ async def _events(answered: Answered, deltas: serving_chat.ChoiceDeltas, output:
 class Answered:
     """What a response says beside its output (its id and time, the request's settings, echoed), and keeping it."""
 
-    def __init__(self, serving: Serving, store: ResponseStore, req: ResponsesRequest, rid: str, history: list[dict]):
+    def __init__(self, serving: Serving, store: CallersResponses, req: ResponsesRequest, rid: str, history: list[dict]):
         self.serving, self.store, self.req, self.rid, self.history = serving, store, req, rid, history
         self.created = time.time()
 
