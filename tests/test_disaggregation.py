@@ -233,6 +233,33 @@ def test_the_side_channel_survives_a_malformed_message(engines):
     assert_all_blocks_free(producer, consumer)
 
 
+def test_the_side_channel_drops_an_oversized_frame_and_refuses_mistyped_fields(engines, caplog):
+    """A 64 MiB frame is dropped at the socket (the producer never holds it), a field of the wrong type (an
+    unhashable request id) is refused by name without a traceback, and pulls go on as before."""
+    import zmq
+
+    from backend.engine.kv_transfer import side_channel
+
+    producer, consumer, colocated = engines
+    port = producer.config.kv_transfer.kv_port
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    peer.send_multipart([b"", b"[" + b"1," * (32 << 20) + b"1]"])
+    assert not peer.poll(2000)  # dropped with its connection: no answer
+    peer.close()
+    for request, field in (({"op": "claim", "request_id": ["unhashable"]}, "request_id"),
+                           ({"op": "claim", "request_id": "r", "block_ids": [1, "2"]}, "block_ids"),
+                           ({"op": "layout", "extra": 1}, "extra")):
+        answer = side_channel.call("127.0.0.1", port, request, timeout_s=10)
+        assert answer["refused"] and repr(field) in answer["error"], answer
+    assert not [r for r in caplog.records if r.exc_info], "a peer's message logged a traceback"
+    ids = prompt(57, 2 * BLOCK)
+    assert_decodes_as_colocated(consumer, colocated, "after-oversized", ids, prefill(producer, "p-oversized", ids), 6)
+    settle(producer, consumer)
+    assert_all_blocks_free(producer, consumer)
+
+
 def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
     producer, consumer, _ = engines
     ids = prompt(50, 4 * BLOCK)

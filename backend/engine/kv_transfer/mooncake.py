@@ -176,6 +176,7 @@ class MooncakeConnectorV1(KVConnector):
     # -- the producer's side channel --------------------------------------------------------------
 
     def _answer(self, request: dict) -> dict:
+        _check_types(request)
         op = request.get("op")
         if op == "layout":
             return {"engine_id": self.config.engine_id, "session": f"{self.config.kv_ip}:{self._engine.get_rpc_port()}",
@@ -314,6 +315,25 @@ class MooncakeConnectorV1(KVConnector):
             if status != 0:
                 raise TransferFailed(f"reading {len(pairs)} blocks from {peer.session} failed (status {status})")
         return len(pairs), sum(lengths)
+
+
+# The side channel's fields, each of one type (absent is allowed: each op says what it needs), so that a peer's
+# request cannot reach the producer's bookkeeping with a value it cannot hash or compare.
+FIELD_TYPES = {"op": str, "engine_id": str, "request_id": str, "token": str, "block_ids": int,
+               "prompt_token_ids": int}
+LIST_FIELDS = ("block_ids", "prompt_token_ids")
+
+
+def _check_types(request: dict) -> None:
+    for name, value in request.items():
+        if name not in FIELD_TYPES:
+            raise ValueError(f"unknown side-channel field {name!r}")
+        kind = FIELD_TYPES[name]
+        if name in LIST_FIELDS:
+            if not (isinstance(value, list) and all(type(v) is kind for v in value)):
+                raise ValueError(f"side-channel field {name!r} must be a list of {kind.__name__}")
+        elif type(value) is not kind:
+            raise ValueError(f"side-channel field {name!r} must be a {kind.__name__}")
 
 
 def _naming(remote, prompt_token_ids: list[int]) -> dict:

@@ -12,6 +12,10 @@ import zmq
 log = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often the server thread looks up from its socket to see whether it should stop
+# The largest message either end takes (ZMQ drops the connection of a peer sending more): a request names one prefill
+# (its prompt's token ids: about 8 bytes each as JSON), an answer the KV layout. A peer's multi-gigabyte frame must
+# not run the engine out of memory.
+MAX_MESSAGE_BYTES = 1 << 20
 
 
 class Unavailable(Exception):
@@ -28,6 +32,7 @@ class SideChannelServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
@@ -55,8 +60,8 @@ class SideChannelServer:
                 answer = {"error": str(e), "refused": True}
             except Unavailable as e:
                 answer = {"error": str(e), "refused": False}
-            except Exception as e:
-                log.exception("side-channel request failed")
+            except Exception as e:  # (a warning, not a traceback: any peer can send what leads here)
+                log.warning("side-channel request failed: %r", e)
                 answer = {"error": f"internal error: {e!r}", "refused": False}
             self._socket.send_multipart([identity, b"", json.dumps(answer).encode()])
         self._socket.close()
@@ -75,6 +80,7 @@ def call(host: str, port: int, request: dict, timeout_s: float) -> dict:
     except zmq.ZMQError as e:  # (no socket left)
         raise ConnectionError(f"no socket for the side channel at {host}:{port}: {e}") from None
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # (an answer larger than this never arrives: a timeout)
     socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
