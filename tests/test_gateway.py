@@ -295,6 +295,7 @@ def test_triton_down_gives_503_quickly(tmp_path):
         assert health.status_code == 503 and completion.status_code == 503
         assert completion.json()["error"]["code"] == 503
         assert elapsed < 10
+        assert dead not in health.text and dead in (tmp_path / "gateway.log").read_text()  # the open route names no address
     finally:
         process.terminate()
         process.wait(15)

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from backend.gateway.client import TritonClient
-from backend.gateway.errors import ApiError
+from backend.gateway.errors import INTERNAL_ERROR, ApiError
 from backend.gateway.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
 from backend.gateway.proxy import DisaggregatedClient
 from backend.gateway.reasoning import REASONING_PARSERS, reasoning_parser
@@ -68,8 +68,9 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
 
 
 async def _unexpected(request: Request, error: Exception) -> Response:
-    """A bug, not a bad request: still OpenAI's shape (the traceback goes to the log, as Starlette's own does)."""
-    return ApiError(500, f"internal error: {error!r}", "internal_error").response()
+    """A bug, not a bad request: still OpenAI's shape, naming nothing of it (the traceback goes to the log, as
+    Starlette's own does)."""
+    return ApiError(500, INTERNAL_ERROR, "internal_error").response()
 
 
 async def _client_left(request: Request, error: ClientDisconnect) -> Response:

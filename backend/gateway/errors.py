@@ -3,10 +3,16 @@ response before a stream starts, an in-band event after), and the Triton client'
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from starlette.responses import JSONResponse
 
 from backend.gateway.client import InvalidRequest, TritonUnavailable
+
+log = logging.getLogger(__name__)
+# What a client is told of a failure that is not its request's: the details (a traceback, paths, addresses) are
+# the operator's, in the gateway's log.
+INTERNAL_ERROR = "internal error (the gateway's log has the details)"
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
@@ -21,14 +27,15 @@ class ApiError(Exception):
     @classmethod
     def of(cls, error: Exception) -> "ApiError":
         """Any failure as the error a client is told of: the Triton client's as their HTTP errors, anything else a
-        500."""
+        500 that names nothing of it (it goes to the log)."""
         if isinstance(error, ApiError):
             return error
         if isinstance(error, InvalidRequest):
             return cls(400, str(error))
         if isinstance(error, TritonUnavailable):
             return cls(503, str(error), "service_unavailable")
-        return cls(500, str(error), "internal_error")
+        log.error("internal error", exc_info=error)
+        return cls(500, INTERNAL_ERROR, "internal_error")
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.status, self.param)

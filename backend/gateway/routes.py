@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from importlib.metadata import version as package_version
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,6 +19,8 @@ from backend.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from backend.gateway.protocol_responses import ResponsesRequest
 from backend.gateway.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from backend.gateway.request_body import parse
+
+log = logging.getLogger(__name__)
 from backend.gateway.responses import ModelCard, ModelList
 
 
@@ -94,11 +97,13 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 when Triton's model is ready to serve (the one route open without the API key)."""
+    """200 when Triton's model is ready to serve. The one route open without the API key: its 503 names no address
+    (the log does)."""
     model, triton = request.app.state.settings.triton_model, request.app.state.serving.triton
     if await triton.ready():
         return JSONResponse({"status": "ok"})
-    raise ApiError(503, f"Triton model {model!r} at {triton.url} is not ready", "service_unavailable")
+    log.warning("health: Triton model %r at %s is not ready", model, triton.url)
+    raise ApiError(503, "the model is not ready", "service_unavailable")
 
 
 async def metrics(request: Request) -> Response:

@@ -3,6 +3,9 @@ chat template (and tools) a chat completion would render, encoded as the engine 
 prompt_tokens it would use."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+
 from starlette.responses import JSONResponse, Response
 
 from backend.engine.tokenizer import encode_prompt
@@ -12,8 +15,19 @@ from backend.gateway.serving import Serving
 from backend.gateway.tools import render_prompt
 
 
+# Rendering and encoding a body's worth of text takes a while: on a worker thread, so open streams go on meanwhile;
+# one at a time, as the gateway has one tokenizer (Hugging Face's fast tokenizers must not be entered twice at once).
+_TOKENIZING = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-llm-tokenize")
+
+
 async def tokenize(serving: Serving, req: TokenizeRequest) -> Response:
-    tokenizer = serving.tokenizer
+    ids, strs = await asyncio.get_running_loop().run_in_executor(_TOKENIZING, _tokens, serving.tokenizer, req)
+    return JSONResponse({"count": len(ids), "max_model_len": await _max_model_len(serving), "tokens": ids,
+                         "token_strs": strs})
+
+
+def _tokens(tokenizer, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+    """The ids the request's text or messages make, and their strings when it asks for them."""
     if req.messages is not None:
         try:
             text = render_prompt(tokenizer, [m.for_template() for m in req.messages], req.tools,
@@ -27,8 +41,7 @@ async def tokenize(serving: Serving, req: TokenizeRequest) -> Response:
         ids = encode_prompt(tokenizer, text)
     else:
         ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-    return JSONResponse({"count": len(ids), "max_model_len": await _max_model_len(serving), "tokens": ids,
-                         "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None})
+    return ids, tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
 
 def detokenize(serving: Serving, req: DetokenizeRequest) -> Response:
