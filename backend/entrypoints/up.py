@@ -10,6 +10,7 @@ process group (the Triton python stub included), so no process or port outlives 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import signal
@@ -133,6 +134,15 @@ def _start_front(args, config, with_ui: bool, servers: list[TritonServer]) -> li
 
 
 def up(args) -> int:
+    from ui.exposure import AUTH_ENV, exposure_error, login
+
+    try:  # (the UI would refuse it too, but only once Triton and the gateway had started)
+        refused = exposure_error(args.host, os.environ.get("NPU_LLM_API_KEY"), login(os.environ.get(AUTH_ENV)))
+    except ValueError as e:
+        refused = str(e)
+    if refused:
+        print(f"npu-llm up: {refused}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
