@@ -176,7 +176,9 @@ def _free_strided(servers: int) -> int:
 
 def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tmp_path):
     import httpx
+    import psutil
 
+    from backend.addresses import is_loopback
     from backend.entrypoints.up import PORT_STRIDE
     from tests.conftest import TritonMetrics
 
@@ -205,6 +207,12 @@ def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tm
             assert page.status == 200
 
         family = _descendants(process.pid)
+        # nothing of the stack listens off loopback: not Triton, the gateway or the UI, and not Mooncake's transfer
+        # engines, whose KV memory other hosts could otherwise read and write
+        listening = [(c.laddr.ip, c.laddr.port, psutil.Process(pid).name()) for pid in [process.pid, *family]
+                     for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 12 and not [x for x in listening if not is_loopback(x[0].removeprefix("::ffff:"))], \
+            listening
         process.send_signal(signal.SIGTERM)
         process.wait(15)
         every_port = [p + k * PORT_STRIDE for p in ports.values() for k in range(2)] + list(front.values())

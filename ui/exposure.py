@@ -2,7 +2,7 @@
 an address other hosts reach, a key without a login would hand the gateway to anyone there."""
 from __future__ import annotations
 
-import ipaddress
+from backend.addresses import is_loopback
 
 AUTH_ENV = "NPU_LLM_UI_AUTH"  # USER:PASSWORD, the UI's login (Gradio's auth); in the environment, not on argv
 
@@ -15,15 +15,6 @@ def login(value: str | None) -> tuple[str, str] | None:
     if not (colon and user and password):
         raise ValueError(f"{AUTH_ENV} must be USER:PASSWORD")
     return user, password
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
 
 
 def exposure_error(host: str, api_key: str | None, auth: tuple[str, str] | None) -> str | None:

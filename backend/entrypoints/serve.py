@@ -21,6 +21,7 @@ from backend.triton.launcher import (
     LaunchError,
     control_key,
     find_tritonserver,
+    loopback_listeners,
     make_work_dir,
     run_copy,
     server_command,
@@ -77,8 +78,9 @@ def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port:
         check_port_free(port, name)
     work_dir = make_work_dir()
     server = find_tritonserver(work_dir)
-    argv, env = server_command(server, run_copy(repository, work_dir, engine_args), http_port, grpc_port,
-                               metrics_port, list(extra), host, control_key())
+    copy = run_copy(repository, work_dir, engine_args)
+    argv, env = server_command(server, copy, http_port, grpc_port, metrics_port, list(extra), host, control_key())
+    env.update(loopback_listeners(copy))
     process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=new_session)
     return process, work_dir

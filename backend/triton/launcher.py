@@ -17,6 +17,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.addresses import is_loopback
+from backend.config.kv_transfer import KVTransferConfig
 from backend.triton.contract import CONTROL_KEY_ENV
 from backend.triton.instances import with_instance_count
 
@@ -153,6 +155,23 @@ def server_command(
     if server.backend_dir is not None:
         argv.append(f"--backend-directory={server.backend_dir}")
     return argv, env
+
+
+def loopback_listeners(repository: Path) -> dict[str, str]:
+    """The environment that keeps Mooncake's listeners on loopback (backend/engine/kv_transfer/loopback.py), when the
+    run copy's models move KV and every one of them on a loopback kv_ip; else nothing."""
+    kv_ips = []
+    for model_json in repository.glob("*/[0-9]*/model.json"):
+        transfer = json.loads(model_json.read_text()).get("kv_transfer_config")
+        if isinstance(transfer, str):  # (as `--engine-arg kv_transfer_config=...` leaves it)
+            transfer = json.loads(transfer)
+        if transfer:
+            kv_ips.append(transfer.get("kv_ip", KVTransferConfig.model_fields["kv_ip"].default))
+    if not kv_ips or not all(is_loopback(ip) for ip in kv_ips):
+        return {}
+    from backend.engine.kv_transfer.loopback import loopback_environment
+
+    return loopback_environment()
 
 
 def make_work_dir() -> Path:

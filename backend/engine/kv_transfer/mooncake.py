@@ -28,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.addresses import is_loopback
 from backend.config import KVTransferConfig
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
+from backend.engine.kv_transfer.loopback import listeners_are_local
 from backend.engine.kv_transfer.side_channel import SideChannelServer, Unavailable, call
 from backend.engine.kv_transfer.transfer_engine import start_transfer_engine, transfer_protocol
 from backend.engine.request import Request
@@ -68,6 +70,10 @@ class _Peer:
 class MooncakeConnectorV1(KVConnector):
     def __init__(self, config: KVTransferConfig, block_size: int, platform: str):
         super().__init__(config, block_size)
+        if is_loopback(config.kv_ip) and not listeners_are_local():
+            log.warning("Mooncake's transfer engine listens on every interface, though kv_ip is %s: other hosts can "
+                        "reach this engine's KV cache. `npu-llm serve` and `up` keep it on loopback "
+                        "(backend/engine/kv_transfer/loopback.py)", config.kv_ip)
         self._engine = start_transfer_engine(config.kv_ip, platform)
         self.protocol = transfer_protocol(platform)
         self._tensors: list[tuple[int, int]] = []  # ours, as in _Peer.tensors
