@@ -3,6 +3,7 @@ pulls the prompt's KV with Mooncake's transfer engine over TCP and decodes. Gree
 colocated engine; every block returns to its pool on both sides; wrong kv_transfer_params fail their own request."""
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
+from backend.control_key import CONTROL_KEY_ENV, signature
 from backend.engine.engine import LLMEngine
 from backend.engine.kv_transfer import mooncake
+from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.kv_transfer.transfer_engine import start_transfer_engine
 from backend.engine.sampling_params import SamplingParams
 
@@ -32,8 +35,20 @@ def kv_config(role: str, engine_id: str, **extra) -> dict:
             **extra}
 
 
+TEST_CONTROL_KEY = "disaggregation-test-key"
+
+
+def signed(params: dict, key: str = TEST_CONTROL_KEY) -> dict:
+    """params as a producer holding key signs them (a test's changed params, or an outsider's with another key)."""
+    fields = KVTransferParams.model_validate(params).signed_fields()
+    return {**fields, "remote_signature": signature(fields, key)}
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir, default_model_dir):
+    """(producer, consumer, colocated), in a deployment whose control key is TEST_CONTROL_KEY."""
+    before = os.environ.get(CONTROL_KEY_ENV)
+    os.environ[CONTROL_KEY_ENV] = TEST_CONTROL_KEY
     common = dict(COMMON, model=str(tiny_llama_dir), tokenizer=str(default_model_dir))
     producer = LLMEngine(EngineConfig(**common, kv_transfer_config=kv_config(
         "kv_producer", "prefill-0", kv_connector_extra_config={"abort_timeout_s": 3})))
@@ -42,6 +57,10 @@ def engines(tiny_llama_dir, default_model_dir):
     yield producer, consumer, colocated
     for engine in (producer, consumer, colocated):
         engine.shutdown()
+    if before is None:
+        del os.environ[CONTROL_KEY_ENV]
+    else:
+        os.environ[CONTROL_KEY_ENV] = before
 
 
 def submit(engine, request_id, prompt_ids, **params) -> None:
@@ -161,7 +180,7 @@ def test_a_claim_the_producer_refuses_fails_only_its_request(engines, change, me
         else:
             wrong[key] = value
     submit(consumer, "bystander", prompt(31, 20), max_tokens=8)
-    error = run(consumer, "refused", asked, max_tokens=8, kv_transfer_params=wrong)
+    error = run(consumer, "refused", asked, max_tokens=8, kv_transfer_params=signed(wrong))
     assert isinstance(error, ValueError) and message in str(error), error
     # the right params still work: a refused claim takes nothing from the producer
     assert run(consumer, "accepted", ids, max_tokens=8, kv_transfer_params=params).finished
@@ -173,12 +192,29 @@ def test_an_unreachable_producer_means_the_prompt_is_computed_here(engines, monk
     producer, consumer, colocated = engines
     monkeypatch.setattr(mooncake, "SIDE_CHANNEL_TIMEOUT_S", 0.5)
     ids = prompt(40, 3 * BLOCK + 1)
-    params = dict(prefill(producer, "p-gone", ids), remote_host="127.0.0.1", remote_port=free_port())
+    params = signed(dict(prefill(producer, "p-gone", ids), remote_host="127.0.0.1", remote_port=free_port()))
     failures = consumer.kv_connector.stats.failures
     assert_decodes_as_colocated(consumer, colocated, "gone", ids, params, 10)
     assert consumer.kv_connector.stats.failures == failures + 1
     settle(producer, consumer)  # the producer frees its blocks when nobody claims them (abort_timeout_s=3)
     assert producer.kv_connector.stats.expired >= 1
+    assert_all_blocks_free(producer, consumer)
+
+
+def test_a_producer_outside_the_deployment_is_refused_and_nothing_of_it_cached(engines):
+    """Params from a producer without the deployment's key (a fake one serving made-up KV for a shared prompt) are
+    refused before any pull; the consumer caches nothing of it, and computes the prompt itself when asked plainly."""
+    producer, consumer, colocated = engines
+    ids = prompt(47, 3 * BLOCK)
+    params = prefill(producer, "p-outsider", ids)
+    for forged in (signed(params, "an-outsiders-key"), {k: v for k, v in params.items() if k != "remote_signature"},
+                   dict(params, remote_host="10.9.9.9")):
+        with pytest.raises(ValueError, match="not signed by a producer of this deployment"):
+            submit(consumer, "d-outsider", ids, max_tokens=4, kv_transfer_params=forged)
+    pulls = consumer.kv_connector.stats.pulls
+    plain = run(consumer, "d-plain", ids, max_tokens=4)
+    assert plain.metrics.num_cached_tokens == 0 and consumer.kv_connector.stats.pulls == pulls
+    settle(producer, consumer)  # (the producer frees the unclaimed prefill after its timeout)
     assert_all_blocks_free(producer, consumer)
 
 
@@ -327,13 +363,15 @@ def test_kv_transfer_params_an_engine_cannot_act_on_are_refused_at_add(engines):
     remote = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [0],
               "remote_host": "127.0.0.1", "remote_port": 1}
     cases = [
+        (consumer, remote, {}, "not signed by a producer of this deployment"),
+        (consumer, signed(remote, "another-deployments-key"), {}, "not signed by a producer of this deployment"),
         (colocated, {"do_remote_decode": True}, {}, "need an engine started with kv_transfer_config"),
         (consumer, {"do_remote_decode": True}, {}, "needs a kv_producer"),
         (producer, remote, {}, "needs a kv_consumer"),
         (producer, {"do_remote_decode": True}, {"n": 2}, "need n=1"),
-        (consumer, remote, {"prompt_logprobs": 1}, "prompt_logprobs"),
-        (consumer, dict(remote, remote_block_ids=[0, 1]), {}, "remote_block_ids has 2 blocks"),
-        (consumer, dict(remote, remote_tp_size=2), {}, "tensor_parallel_size=2"),
+        (consumer, signed(remote), {"prompt_logprobs": 1}, "prompt_logprobs"),
+        (consumer, signed(dict(remote, remote_block_ids=[0, 1])), {}, "remote_block_ids has 2 blocks"),
+        (consumer, signed(dict(remote, remote_tp_size=2)), {}, "tensor_parallel_size=2"),
     ]
     for engine, params, extra, message in cases:
         with pytest.raises(ValueError, match=message):

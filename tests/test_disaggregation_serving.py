@@ -167,20 +167,32 @@ def test_client_kv_transfer_params_are_dropped_unless_allowed(stack, reference_l
     response = complete(proxy, "The capital of France is", kv_transfer_params=junk)
     assert response.status_code == 200
     assert response.json()["choices"][0]["text"] == expected(reference_llm, "The capital of France is")
-    # a gateway told to let them through: the engine refuses what they name, as a 400, and holds nothing
+    # a gateway told to let them through: the engine refuses params no producer of the deployment signed, and what
+    # signed ones name wrongly (this test holds the deployment's key), as a 400, and holds nothing
     prompt = "One two three four"
     blocks = len(reference_llm.get_tokenizer().encode(prompt)) // 16 + 1
     for params, message in [
-        ({**junk, "remote_block_ids": [0] * (blocks + 1)}, "remote_block_ids has"),
         ({**junk, "remote_block_ids": list(range(blocks)), "remote_port": prefill[0].kv_port},
+         "not signed by a producer of this deployment"),
+        (_signed({**junk, "remote_block_ids": [0] * (blocks + 1)}), "remote_block_ids has"),
+        (_signed({**junk, "remote_block_ids": list(range(blocks)), "remote_port": prefill[0].kv_port}),
          "holds no prefill of request 'someone-else'"),
-        ({**junk, "remote_block_ids": list(range(blocks)), "remote_engine_id": "prefill-7",
-          "remote_port": prefill[0].kv_port}, "prefill-7"),
+        (_signed({**junk, "remote_block_ids": list(range(blocks)), "remote_engine_id": "prefill-7",
+                  "remote_port": prefill[0].kv_port}), "prefill-7"),
         ({"do_remote_prefill": True}, "need remote_engine_id"),
     ]:
         response = complete(direct, prompt, 4, kv_transfer_params=params)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
     all_blocks_free(*prefill, *decode)
+
+
+def _signed(params: dict) -> dict:
+    """params as a producer of the stack signs them (the servers were started with this process's control key)."""
+    from backend.control_key import control_key, signature
+    from backend.engine.kv_transfer.params import KVTransferParams
+
+    fields = KVTransferParams.model_validate(params).signed_fields()
+    return {**fields, "remote_signature": signature(fields, control_key())}
 
 
 def _kill(server) -> None:

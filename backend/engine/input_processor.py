@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 
 from backend.config import EngineConfig
+from backend.control_key import control_key, signed_by
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.tokenizer import encode_prompt
@@ -20,6 +21,8 @@ class InputProcessor:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
         self.eos_token_ids, self.num_kv_blocks = eos_token_ids, num_kv_blocks
         self.kv_transfer = config.kv_transfer  # (parsed once: read by each request that carries kv_transfer_params)
+        # with it, a remote prefill's params must carry a producer's signature (backend/control_key.py)
+        self.control_key = control_key() if self.kv_transfer is not None else None
 
     def process(self, child_ids: list[str], prompt: PromptType,
                 params: SamplingParams) -> tuple[str | None, list[Request]]:
@@ -75,6 +78,10 @@ class InputProcessor:
         if params.n != 1:
             raise ValueError("kv_transfer_params need n=1")
         if transfer.do_remote_prefill:
+            if self.control_key and not signed_by(transfer.signed_fields(), transfer.remote_signature,
+                                                  self.control_key):
+                raise ValueError("kv_transfer_params were not signed by a producer of this deployment (one holding "
+                                 "its NPU_LLM_CONTROL_KEY): this engine pulls KV from no one else")
             if transfer.remote_tp_size != self.config.tensor_parallel_size:
                 raise ValueError(f"the prefill engine runs tensor_parallel_size={transfer.remote_tp_size} and this "
                                  f"one {self.config.tensor_parallel_size}: the KV layouts must match (one rank each)")

@@ -14,12 +14,12 @@ import urllib.request
 from pathlib import Path
 
 from backend.config import EngineConfig, parse_engine_args
+from backend.control_key import ensure_control_key
 from backend.models.registry import resolve_model
 from backend.triton.model_json import ModelJson, parse_model_json
 from backend.triton.launcher import (
     DEFAULT_REPOSITORY,
     LaunchError,
-    control_key,
     find_tritonserver,
     loopback_listeners,
     make_work_dir,
@@ -79,7 +79,7 @@ def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port:
     work_dir = make_work_dir()
     server = find_tritonserver(work_dir)
     copy = run_copy(repository, work_dir, engine_args)
-    argv, env = server_command(server, copy, http_port, grpc_port, metrics_port, list(extra), host, control_key())
+    argv, env = server_command(server, copy, http_port, grpc_port, metrics_port, list(extra), host, ensure_control_key())
     env.update(loopback_listeners(copy))
     process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=new_session)

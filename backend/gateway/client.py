@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -11,10 +10,10 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from backend.control_key import control_key
 from backend.engine.sampling_params import SamplingParams
 from backend.triton.contract import (
     ADMIN_PARAMETER,
-    CONTROL_KEY_ENV,
     CONTROL_KEY_PARAMETER,
     ENGINE_UNAVAILABLE,
     INVALID_REQUEST,
@@ -121,8 +120,8 @@ class TritonClient:
     async def admin(self, action: str) -> dict:
         """An engine admin action (backend/triton/contract.py ADMIN_ACTIONS); the model's JSON answer."""
         parameters = {ADMIN_PARAMETER: action}
-        if os.environ.get(CONTROL_KEY_ENV):  # (set by `npu-llm up`, or by hand beside `npu-llm serve`'s)
-            parameters[CONTROL_KEY_PARAMETER] = os.environ[CONTROL_KEY_ENV]
+        if key := control_key():  # (set by `npu-llm up`, or by hand beside `npu-llm serve`'s)
+            parameters[CONTROL_KEY_PARAMETER] = key
 
         async def requests():
             yield {"model_name": self.model, "inputs": [infer_input("text_input", b"")], "parameters": parameters}

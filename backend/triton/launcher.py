@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import secrets
 import shutil
 import sys
 import sysconfig
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from backend.addresses import is_loopback
 from backend.config.kv_transfer import KVTransferConfig
-from backend.triton.contract import CONTROL_KEY_ENV
+from backend.control_key import CONTROL_KEY_ENV
 from backend.triton.instances import with_instance_count
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +37,6 @@ class LaunchError(RuntimeError):
     pass
 
 
-def control_key() -> str:
-    """The control key of this process and what it starts: NPU_LLM_CONTROL_KEY when set, else a new random key,
-    put into this process's environment so that every Triton and gateway started from here shares it."""
-    if not os.environ.get(CONTROL_KEY_ENV):
-        os.environ[CONTROL_KEY_ENV] = secrets.token_urlsafe(32)
-    return os.environ[CONTROL_KEY_ENV]
 
 
 @dataclass
@@ -129,7 +122,7 @@ def server_command(
     host: str = "127.0.0.1", key: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """host: the address of all three endpoints. Loopback by default: Triton has no authentication, so an open
-    port would bypass the gateway's API key. key: the control key (see control_key), or None to leave Triton's
+    port would bypass the gateway's API key. key: the control key (backend/control_key.py), or None to leave Triton's
     APIs unrestricted."""
     argv = [
         str(server.binary),

@@ -26,9 +26,9 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.control_key import control_key
 from backend.engine.async_engine import AsyncEngine, EngineDeadError
 from backend.triton.contract import (
-    CONTROL_KEY_ENV,
     ENGINE_UNAVAILABLE,
     INPUTS,
     INVALID_REQUEST,
@@ -170,7 +170,7 @@ class TritonPythonModel:
     async def _serve_request(self, request, sender: _Sender) -> None:
         try:
             parameters = request_parameters(request.parameters())
-            action = admin_action(parameters, os.environ.get(CONTROL_KEY_ENV))
+            action = admin_action(parameters, control_key())
         except ValueError as e:  # (AdminRefused too: its message names what is missing)
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return

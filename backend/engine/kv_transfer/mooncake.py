@@ -30,8 +30,10 @@ import torch
 
 from backend.addresses import is_loopback
 from backend.config import KVTransferConfig
+from backend.control_key import control_key, signature
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
 from backend.engine.kv_transfer.loopback import listeners_are_local
+from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.kv_transfer.side_channel import SideChannelServer, Unavailable, call
 from backend.engine.kv_transfer.transfer_engine import start_transfer_engine, transfer_protocol
 from backend.engine.request import Request
@@ -119,11 +121,12 @@ class MooncakeConnectorV1(KVConnector):
         with self._lock:
             self._held[request.request_id] = _Held(blocks, list(request.prompt_token_ids),
                                                    time.monotonic() + self.config.abort_timeout_s)
-        return True, {
-            "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": self.config.engine_id,
-            "remote_request_id": request.request_id, "remote_block_ids": blocks, "remote_host": self.config.kv_ip,
-            "remote_port": self.config.kv_port, "remote_tp_size": 1,
-        }
+        pull = KVTransferParams(
+            do_remote_prefill=True, remote_engine_id=self.config.engine_id, remote_request_id=request.request_id,
+            remote_block_ids=blocks, remote_host=self.config.kv_ip, remote_port=self.config.kv_port, remote_tp_size=1)
+        if key := control_key():
+            pull = pull.model_copy(update={"remote_signature": signature(pull.signed_fields(), key)})
+        return True, pull.model_dump()
 
     # -- worker side ------------------------------------------------------------------------------
 

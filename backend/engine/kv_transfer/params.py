@@ -2,8 +2,9 @@
 
 The proxy sends a prefill engine {"do_remote_decode": true}; that engine's final output returns the params a decode
 engine needs to pull the prompt's KV ({"do_remote_prefill": true, "remote_...": ...}), which the proxy passes on.
-Checked for shape here; whether the named engine holds those blocks for that prompt is the producer's answer when
-the consumer claims them (backend/engine/kv_transfer/mooncake.py)."""
+Checked for shape here; that a producer of this deployment issued them, by the consumer before it pulls (their
+signature, backend/engine/input_processor.py); whether the named engine holds those blocks for that prompt is the
+producer's answer when the consumer claims them (backend/engine/kv_transfer/mooncake.py)."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -26,6 +27,13 @@ class KVTransferParams(BaseModel):
     remote_host: str | None = Field(None, min_length=1, max_length=256)
     remote_port: int | None = Field(None, ge=1, le=65535)
     remote_tp_size: int = Field(1, ge=1, le=1024)
+    # (from a producer) its HMAC of the fields above under the deployment's control key (backend/control_key.py): a
+    # consumer that has the key pulls only from params a producer holding it signed
+    remote_signature: str | None = Field(None, max_length=128)
+
+    def signed_fields(self) -> dict:
+        """What the signature covers: where to pull from and what."""
+        return self.model_dump(exclude={"remote_signature"})
 
     @model_validator(mode="after")
     def _one_side(self):
