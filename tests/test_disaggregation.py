@@ -218,6 +218,35 @@ def test_a_producer_outside_the_deployment_is_refused_and_nothing_of_it_cached(e
     assert_all_blocks_free(producer, consumer)
 
 
+def test_a_request_the_consumer_refuses_releases_the_producers_blocks_at_once(engines):
+    """A decode refusal (prompt + max_tokens beyond max_model_len) frees the prefill held for it within a second,
+    not at the producer's timeout: a client repeating it cannot pin the producer's cache."""
+    producer, consumer, _ = engines
+    ids = prompt(65, 2 * BLOCK)
+    params = prefill(producer, "p-refused-decode", ids)
+    expired = producer.kv_connector.stats.expired
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        submit(consumer, "d-too-long", ids, max_tokens=600, kv_transfer_params=params)
+    deadline = time.monotonic() + 1
+    while "p-refused-decode" in producer.scheduler.sending and time.monotonic() < deadline:
+        producer.step()
+        time.sleep(0.02)
+    assert "p-refused-decode" not in producer.scheduler.sending
+    assert producer.kv_connector.stats.expired == expired  # released by the consumer, not by the timeout
+    assert_all_blocks_free(producer, consumer)
+
+
+def test_a_producer_holds_unclaimed_prefills_in_half_its_cache_at_most(engines):
+    producer, consumer, _ = engines
+    for i in range(3):  # 16 blocks each: half of the producer's 96
+        prefill(producer, f"p-pin-{i}", prompt(70 + i, 16 * BLOCK))
+    beyond = run(producer, "p-pin-3", prompt(73, 16 * BLOCK), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert beyond.finished and beyond.kv_transfer_params is None  # answered; its decode server computes the prompt
+    assert set(producer.scheduler.sending) == {f"p-pin-{i}" for i in range(3)}
+    settle(producer, consumer)  # (nobody claims them: freed after abort_timeout_s)
+    assert_all_blocks_free(producer, consumer)
+
+
 def test_a_claim_after_the_timeout_means_the_prompt_is_computed_here(engines):
     producer, consumer, colocated = engines
     ids = prompt(45, 2 * BLOCK + 3)

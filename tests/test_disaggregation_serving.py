@@ -186,6 +186,17 @@ def test_client_kv_transfer_params_are_dropped_unless_allowed(stack, reference_l
     all_blocks_free(*prefill, *decode)
 
 
+def test_a_request_the_decode_server_refuses_frees_its_prefill_at_once(stack):
+    """The proxy prefills with max_tokens 1; the decode server then refuses prompt + max_tokens beyond max_model_len
+    and releases the prefill it would have pulled: the producers hold nothing a second later, not at their timeout."""
+    prefill, decode, proxy, _ = stack
+    for _ in range(3):
+        response = complete(proxy, "Count from one to ten: one, two,", max_tokens=10**6)
+        assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"], response.text
+    assert sum(p.wait_metric("npu_llm:kv_transfer_requests", lambda v: v == 0, timeout=1.5) for p in prefill) == 0
+    all_blocks_free(*prefill, *decode)
+
+
 def _signed(params: dict) -> dict:
     """params as a producer of the stack signs them (the servers were started with this process's control key)."""
     from backend.control_key import control_key, signature

@@ -129,7 +129,14 @@ class LLMEngine:
         taken = self.outputs.states.keys() | self.scheduler.sending.keys() | self.scheduler.loading.keys()
         if request_id in self.outputs.parents or any(c in taken for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, children = self.inputs.process(child_ids, prompt, params)
+        try:
+            text, children = self.inputs.process(child_ids, prompt, params)
+        except ValueError:
+            # a remote prefill refused here (prompt + max_tokens too long, ...): its producer would hold the blocks
+            # until its timeout, and a client repeating it could pin them all
+            if self.kv_connector is not None and (refused := self.inputs.refused_pull(prompt, params)):
+                self.kv_connector.release_refused(*refused)
+            raise
         if params.structured_outputs is not None:
             self.structured_outputs.add(children, params.structured_outputs)
         self.outputs.add(request_id, text, children)

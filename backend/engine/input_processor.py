@@ -7,7 +7,8 @@ from __future__ import annotations
 import operator
 
 from backend.config import EngineConfig
-from backend.control_key import control_key, signed_by
+from backend.control_key import control_key
+from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.tokenizer import encode_prompt
@@ -31,6 +32,18 @@ class InputProcessor:
         max_tokens = self._check(ids, params)
         return text, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
                            for i, cid in enumerate(child_ids)]
+
+    def refused_pull(self, prompt: PromptType, params: SamplingParams) -> tuple[KVTransferParams, list[int]] | None:
+        """For a request refused here that a producer of this deployment prefilled for this engine: (its params, its
+        prompt's ids), so that the producer can be told to free the blocks it holds for it. Else None."""
+        transfer = params.kv_transfer_params
+        if self.kv_transfer is None or transfer is None or not transfer.do_remote_prefill or \
+                not transfer.issued_with(self.control_key):
+            return None
+        try:
+            return transfer, self._prompt_ids(prompt)[1]
+        except ValueError:
+            return None
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -78,8 +91,7 @@ class InputProcessor:
         if params.n != 1:
             raise ValueError("kv_transfer_params need n=1")
         if transfer.do_remote_prefill:
-            if self.control_key and not signed_by(transfer.signed_fields(), transfer.remote_signature,
-                                                  self.control_key):
+            if not transfer.issued_with(self.control_key):
                 raise ValueError("kv_transfer_params were not signed by a producer of this deployment (one holding "
                                  "its NPU_LLM_CONTROL_KEY): this engine pulls KV from no one else")
             if transfer.remote_tp_size != self.config.tensor_parallel_size:

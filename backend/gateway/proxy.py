@@ -1,7 +1,7 @@
 """The gateway as the proxy of a disaggregated deployment (xPyD), as vLLM's and vllm-ascend's proxies do it: each
-request is prefilled on a prefill server (a Triton whose engine is a kv_producer) with max_tokens 1, then decoded on
-a decode server (a kv_consumer) given the kv_transfer_params the prefill returned; the decode server pulls the
-prompt's KV and answers, and its answer is what the client gets (docs/disaggregation.md).
+request is prefilled on a prefill server (a Triton whose engine is a kv_producer), as the client sent it but with
+max_tokens 1, then decoded on a decode server (a kv_consumer) given the kv_transfer_params the prefill returned; the
+decode server pulls the prompt's KV and answers, and its answer is what the client gets (docs/disaggregation.md).
 
 DisaggregatedClient has TritonClient's interface, so every endpoint works unchanged. Servers are picked by load: the
 fewest requests this gateway has in flight on them (it is their only client in this layout), ties in turn.
@@ -19,9 +19,10 @@ from backend.gateway.client import Chunk, InvalidRequest, TritonClient, TritonUn
 
 log = logging.getLogger(__name__)
 
-# What a prefill asks for: one token (which the decode server samples again, as vLLM's consumer does), the prompt's
-# blocks kept for a consumer.
-PREFILL = SamplingParams(max_tokens=1, kv_transfer_params=KVTransferParams(do_remote_decode=True))
+# What a prefill asks for beside the client's request (as vLLM's proxy forwards it, so that the prefill server
+# refuses what the decode server would, before it holds any block): one token (which the decode server samples
+# again, as vLLM's consumer does), the prompt's blocks kept for a consumer.
+PREFILL = {"max_tokens": 1, "min_tokens": 0, "kv_transfer_params": KVTransferParams(do_remote_decode=True)}
 
 
 class ServerPool:
@@ -70,7 +71,7 @@ class DisaggregatedClient:
         A request the consumer side cannot take from a remote prefill (several samples, prompt logprobs) is decoded
         where it is prefilled: on a decode server."""
         if params.kv_transfer_params is None and params.n == 1 and params.prompt_logprobs is None:
-            params = _with_transfer(params, await self._prefill(prompt, request_id, prompt_token_ids))
+            params = _with_transfer(params, await self._prefill(prompt, params, request_id, prompt_token_ids))
         unavailable = None
         for decode in self.decode.by_load():
             answered = False
@@ -90,13 +91,15 @@ class DisaggregatedClient:
                 params = _with_transfer(params, None)  # (it may have pulled them already: the next one prefills itself)
         raise unavailable
 
-    async def _prefill(self, prompt: str, request_id: str, prompt_token_ids: list[int] | None) -> dict | None:
+    async def _prefill(self, prompt: str, params: SamplingParams, request_id: str,
+                       prompt_token_ids: list[int] | None) -> dict | None:
         """The kv_transfer_params of the prompt's prefill, on the least loaded prefill server that answers; None
         (the decode server prefills) when none does. A request the prefill server rejects is rejected here."""
+        prefill = params.model_copy(update=PREFILL)
         for client in self.prefill.by_load():
             try:
                 with self.prefill.busy(client):
-                    async with contextlib.aclosing(client.generate(prompt, PREFILL, False, f"{request_id}-prefill",
+                    async with contextlib.aclosing(client.generate(prompt, prefill, False, f"{request_id}-prefill",
                                                                    prompt_token_ids)) as responses:
                         async for chunk in responses:
                             if chunk.final:

@@ -93,6 +93,9 @@ class KVConnector(ABC):
         """A request ended: (whether its blocks must wait for a consumer before they are freed, the
         kv_transfer_params to return to the client)."""
 
+    def release_refused(self, params: KVTransferParams, prompt_token_ids: list[int]) -> None:
+        """A request with these params was refused before it was queued: free what its producer holds for it."""
+
     # -- worker side ------------------------------------------------------------------------------
 
     @abstractmethod

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 SIDE_CHANNEL_TIMEOUT_S = 5.0
 LOAD_THREADS = 2  # pulls in flight at once (each is one batch transfer)
+# A producer holds finished prefills' blocks for consumers in at most this share of its KV cache: beyond it, a
+# prefill is answered without kv_transfer_params (its decode server computes the prompt) and its blocks are freed, so
+# that prefills nobody claims cannot pin the whole cache until they time out.
+MAX_HELD_SHARE = 0.5
 
 
 class TransferFailed(RuntimeError):
@@ -119,6 +123,11 @@ class MooncakeConnectorV1(KVConnector):
             return False, None
         blocks = list(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)])
         with self._lock:
+            held = sum(len(h.block_ids) for h in self._held.values())
+            if held + len(blocks) > MAX_HELD_SHARE * self._num_blocks:
+                log.warning("holding %d blocks for consumers already: request %s's prefill is not kept (its decode "
+                            "server computes the prompt)", held, request.request_id)
+                return False, None
             self._held[request.request_id] = _Held(blocks, list(request.prompt_token_ids),
                                                    time.monotonic() + self.config.abort_timeout_s)
         pull = KVTransferParams(
@@ -127,6 +136,9 @@ class MooncakeConnectorV1(KVConnector):
         if key := control_key():
             pull = pull.model_copy(update={"remote_signature": signature(pull.signed_fields(), key)})
         return True, pull.model_dump()
+
+    def release_refused(self, params: KVTransferParams, prompt_token_ids: list[int]) -> None:
+        self._pool.submit(self._release_unpulled, params, list(prompt_token_ids))
 
     # -- worker side ------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from backend.control_key import signed_by
+
 # A prompt of max_model_len tokens at block size 1 still fits; anything longer is not a block table.
 MAX_REMOTE_BLOCKS = 1 << 20
 BlockId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -34,6 +36,10 @@ class KVTransferParams(BaseModel):
     def signed_fields(self) -> dict:
         """What the signature covers: where to pull from and what."""
         return self.model_dump(exclude={"remote_signature"})
+
+    def issued_with(self, key: str | None) -> bool:
+        """Whether a producer holding key signed these (any params pass where there is no key to check against)."""
+        return key is None or signed_by(self.signed_fields(), self.remote_signature, key)
 
     @model_validator(mode="after")
     def _one_side(self):
