@@ -325,13 +325,53 @@ def test_the_side_channel_drops_an_oversized_frame_and_refuses_mistyped_fields(e
     assert_all_blocks_free(producer, consumer)
 
 
+def test_a_stalled_producer_holds_up_only_its_own_pulls_which_are_then_recomputed(engines, monkeypatch):
+    """Two pulls from a producer that never answers (a side channel that takes requests and says nothing) do not
+    keep a third, from a live producer, waiting: it finishes while they still wait. They then time out and their
+    prompts are computed here, with the colocated engine's answer."""
+    import zmq
+
+    producer, consumer, colocated = engines
+    monkeypatch.setattr(mooncake, "SIDE_CHANNEL_TIMEOUT_S", 3.0)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        stalled = {}
+        for i in range(mooncake.PULLS_PER_PEER):
+            ids = prompt(80 + i, 2 * BLOCK)
+            stalled[f"d-stalled-{i}"] = ids
+            params = signed(dict(prefill(producer, f"p-stalled-{i}", ids), remote_port=port))
+            submit(consumer, f"d-stalled-{i}", ids, max_tokens=6, kv_transfer_params=params)
+        ids = prompt(85, 2 * BLOCK)
+        submit(consumer, "d-live", ids, max_tokens=6, kv_transfer_params=prefill(producer, "p-live", ids))
+        finished = {}
+        while "d-live" not in finished:
+            finished.update({o.request_id: o for o in consumer.step() if o.finished})
+            producer.step()
+        assert not set(stalled) & set(finished) and set(stalled) <= set(consumer.scheduler.loading)
+        failures = consumer.kv_connector.stats.failures
+        while not set(stalled) <= set(finished):
+            finished.update({o.request_id: o for o in consumer.step() if o.finished})
+            producer.step()
+        assert consumer.kv_connector.stats.failures == failures + len(stalled)
+        for request_id, ids in stalled.items():
+            alone = run(colocated, f"c-{request_id}", ids, max_tokens=6)
+            assert finished[request_id].outputs[0].token_ids == alone.outputs[0].token_ids
+    finally:
+        silent.close()
+    settle(producer, consumer)  # (the stalled prefills were never claimed: freed after abort_timeout_s)
+    assert_all_blocks_free(producer, consumer)
+
+
 def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
     producer, consumer, _ = engines
     ids = prompt(50, 4 * BLOCK)
     params = prefill(producer, "p-abort", ids)
-    gate = threading.Event()  # the pull threads wait on it: the pull cannot end before the abort
-    for _ in range(mooncake.LOAD_THREADS):
-        consumer.kv_connector._pool.submit(gate.wait)
+    gate = threading.Event()  # the producer's pull threads wait on it: the pull cannot end before the abort
+    pool = consumer.kv_connector._pool_of(KVTransferParams.model_validate(params))
+    for _ in range(mooncake.PULLS_PER_PEER):
+        pool.submit(gate.wait)
     submit(consumer, "d-abort", ids, max_tokens=8, kv_transfer_params=params)
     consumer.step()  # admitted: blocks allocated, the pull queued
     assert "d-abort" in consumer.scheduler.loading

@@ -23,6 +23,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,7 +43,8 @@ from npu_llm_kernels.metadata import cdiv
 log = logging.getLogger(__name__)
 
 SIDE_CHANNEL_TIMEOUT_S = 5.0
-LOAD_THREADS = 2  # pulls in flight at once (each is one batch transfer)
+PULLS_PER_PEER = 2  # pulls in flight at once from one producer (each is one batch transfer), on threads of its own
+MAX_PEERS = 64  # producers whose layout and pull threads are kept; the least recently used goes beyond
 # A producer holds finished prefills' blocks for consumers in at most this share of its KV cache: beyond it, a
 # prefill is answered without kv_transfer_params (its decode server computes the prompt) and its blocks are freed, so
 # that prefills nobody claims cannot pin the whole cache until they time out.
@@ -93,7 +95,8 @@ class MooncakeConnectorV1(KVConnector):
         self._loads: list[KVLoad] = []  # decided this step, for build_connector_meta
         self._loaded: queue.SimpleQueue = queue.SimpleQueue()  # (request id, None or the error) of ended pulls
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="npu-llm-kv-load")
+        # per producer, so that a slow or stalled one holds up only its own pulls (and releases)
+        self._pools: OrderedDict[tuple[str, int], ThreadPoolExecutor] = OrderedDict()
         self._server: SideChannelServer | None = None
 
     # -- scheduler side ---------------------------------------------------------------------------
@@ -117,7 +120,7 @@ class MooncakeConnectorV1(KVConnector):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params
         if params is not None and params.do_remote_prefill:  # ended before its pull began: the producer may free
-            self._pool.submit(self._release_unpulled, params, list(request.prompt_token_ids))
+            self._pool_of(params).submit(self._release_unpulled, params, list(request.prompt_token_ids))
             return False, None
         if params is None or not params.do_remote_decode or request.finish_reason == "abort":
             return False, None
@@ -138,7 +141,7 @@ class MooncakeConnectorV1(KVConnector):
         return True, pull.model_dump()
 
     def release_refused(self, params: KVTransferParams, prompt_token_ids: list[int]) -> None:
-        self._pool.submit(self._release_unpulled, params, list(prompt_token_ids))
+        self._pool_of(params).submit(self._release_unpulled, params, list(prompt_token_ids))
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -160,7 +163,21 @@ class MooncakeConnectorV1(KVConnector):
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         for load in metadata.loads:
-            self._pool.submit(self._load, load)
+            self._pool_of(load.remote).submit(self._load, load)
+
+    def _pool_of(self, remote: KVTransferParams) -> ThreadPoolExecutor:
+        """The pull threads of the producer these params name (made on first use; beyond MAX_PEERS producers, the
+        least recently used one's go, once their work is done, with its layout)."""
+        address = (remote.remote_host, remote.remote_port)
+        with self._lock:
+            pool = self._pools.pop(address, None) or ThreadPoolExecutor(
+                PULLS_PER_PEER, thread_name_prefix=f"npu-llm-kv-load-{remote.remote_port}")
+            self._pools[address] = pool
+            while len(self._pools) > MAX_PEERS:
+                gone, old = self._pools.popitem(last=False)
+                old.shutdown(wait=False)
+                self._peers.pop(gone, None)
+        return pool
 
     def get_finished(self) -> FinishedTransfers:
         finished = FinishedTransfers()
@@ -189,7 +206,8 @@ class MooncakeConnectorV1(KVConnector):
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.stop()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)
         for address, _ in self._tensors:
             self._engine.unregister_memory(address)
         self._tensors = []
