@@ -442,3 +442,19 @@ def test_quantize_refuses_an_unknown_scheme_and_a_bad_calibration_file(source, t
         quantize_checkpoint(str(source), tmp_path / "b", "w8a8", calibration=bad)
     with pytest.raises(ValueError, match="no calibration tokens"):
         quantize_checkpoint(str(source), tmp_path / "c", "w8a8", max_calibration_tokens=0, tokenizer=default_model_dir)
+
+
+def test_a_checkpoint_in_pickle_only_is_refused_not_loaded(tiny_llama_dir, tmp_path):
+    """quantize reads weights as the engine does, from safetensors: a pytorch_model.bin (a pickle, which can run code
+    when loaded) is never opened."""
+    import shutil
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(Path(tiny_llama_dir) / "config.json", pickled)
+    weights = {}
+    for part in Path(tiny_llama_dir).glob("*.safetensors"):
+        weights.update(load_file(part))
+    torch.save(weights, pickled / "pytorch_model.bin")
+    with pytest.raises(OSError, match="safetensors"):
+        quantize_checkpoint(str(pickled), tmp_path / "out", "w8a8")

@@ -99,7 +99,8 @@ def quantize_checkpoint(model: str, out: str | Path, scheme: str, calibration: s
     if getattr(stored, "quantization_config", None) or (model_dir / MODELSLIM_DESCRIPTION).is_file():
         raise ValueError(f"{model_dir}: already quantized")
     stored_dtype = stored_dtype_of(stored) or torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()  # scales computed in fp32
+    # fp32: the scales are computed in fp32; safetensors only, as the engine loads them (a pickled .bin can run code)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True).eval()
     config = quantization_config(scheme, any(EXPERT_TENSOR.match(name) for name, _ in hf.named_parameters()), group_size)
     if group_size and any(m.in_features % group_size for _, m in _linears(hf)):
         raise ValueError(f"group size {group_size} does not divide the input features of every linear layer")

@@ -28,7 +28,7 @@ def _hf_generate(model_dir, dtype: torch.dtype, prompts, output_len: int, batch_
     """Seconds for transformers' generate over static, left-padded batches (greedy, exact lengths)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).eval()  # (never a .bin)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
