@@ -146,3 +146,36 @@ def test_seed_regenerate_clear_and_the_system_prompt(page):
 
     _clear(page)
     assert page.locator("#chatbot .message").count() == 0
+
+
+def test_a_reply_cannot_make_the_browser_fetch_a_remote_image(page):
+    """A reply is markdown the model wrote; an image in it whose URL carries the conversation would leak it when the
+    browser loads it. The UI's policy admits images from itself only: a remote one is blocked, never requested."""
+    import http.server
+    import threading
+
+    requested = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requested.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/leak.png?q=secret"
+        blocked = page.evaluate("""url => new Promise(done => {
+            document.addEventListener('securitypolicyviolation', e => done(e.violatedDirective), {once: true});
+            const img = document.createElement('img');
+            img.src = url;
+            document.querySelector('#chatbot').appendChild(img);
+            setTimeout(() => done(null), 3000);
+        })""", url)
+        assert blocked == "img-src" and requested == []
+    finally:
+        server.shutdown()

@@ -28,6 +28,7 @@ from openai import OpenAIError
 
 from ui import conversations
 from ui.chat_client import ChatClient, chat_request
+from ui.content_policy import MIDDLEWARE
 from ui.conversations import SETTINGS
 from ui.exposure import AUTH_ENV, exposure_error, login
 from ui.messages import before_reply, is_thought, note, settled, text_of
@@ -382,5 +383,6 @@ def run_ui(args) -> int:
         print(f"npu-llm ui: {refused}", file=sys.stderr)
         return 2
     app = build_app(UISettings(args.gateway_url, args.metrics_url, api_key, args.prefill_metrics_url))
-    app.queue().launch(server_name=args.host, server_port=args.port, show_error=False, quiet=True, auth=auth)
+    app.queue().launch(server_name=args.host, server_port=args.port, show_error=False, quiet=True, auth=auth,
+                       app_kwargs={"middleware": MIDDLEWARE})
     return 0
