@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.control_key import CONTROL_KEY_ENV, signature
+from backend.config.control_key import CONTROL_KEY_ENV, signature
 from backend.engine.engine import LLMEngine
 from backend.engine.kv_transfer import mooncake
 from backend.engine.kv_transfer.params import KVTransferParams

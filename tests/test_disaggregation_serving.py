@@ -199,7 +199,7 @@ def test_a_request_the_decode_server_refuses_frees_its_prefill_at_once(stack):
 
 def _signed(params: dict) -> dict:
     """params as a producer of the stack signs them (the servers were started with this process's control key)."""
-    from backend.control_key import control_key, signature
+    from backend.config.control_key import control_key, signature
     from backend.engine.kv_transfer.params import KVTransferParams
 
     fields = KVTransferParams.model_validate(params).signed_fields()

@@ -11,6 +11,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from backend.gateway.errors import INTERNAL_ERROR
 from backend.gateway.sse import event_stream, typed_event_stream
 
 
@@ -63,7 +64,7 @@ def test_chat_and_completions_streams_end_in_done_or_an_error_body(fail):
     assert events[0] == (None, json.dumps({"type": "first"}))
     if fail:
         [(_, last)] = events[1:]
-        assert json.loads(last) == {"error": {"message": "the engine went away", "type": "internal_error",
+        assert json.loads(last) == {"error": {"message": INTERNAL_ERROR, "type": "internal_error",
                                               "param": None, "code": 500}}
     else:
         assert [data for _, data in events[1:]] == [json.dumps({"type": "second"}), "[DONE]"]
@@ -76,9 +77,9 @@ def test_responses_streams_are_named_numbered_and_fail_with_an_error_event(fail)
     assert [name for name, _ in events] == [p["type"] for p in payloads]  # each event named by its type
     assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
     if fail:
-        assert payloads[1:] == [{"type": "error", "code": "internal_error", "message": "the engine went away",
+        assert payloads[1:] == [{"type": "error", "code": "internal_error", "message": INTERNAL_ERROR,
                                  "param": None, "sequence_number": 1},
-                                {"type": "response.failed", "message": "the engine went away", "sequence_number": 2}]
+                                {"type": "response.failed", "message": INTERNAL_ERROR, "sequence_number": 2}]
     else:
         assert [p["type"] for p in payloads] == ["first", "second"]  # no [DONE]: the last event says it is done
 

@@ -20,8 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend import SamplingParams
+from backend.config.control_key import ensure_control_key
 from backend.models.registry import DEFAULT_MODEL
-from backend.triton.launcher import DEFAULT_REPOSITORY
+from backend.triton.launcher import CONTROL_KEY_HEADER, DEFAULT_REPOSITORY
 from tests.conftest import GATEWAY_API_KEY, SMALL_KV_CACHE, free_port, make_tiny_model, start_gateway
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,8 @@ class Served:
         for arg in (SMALL_KV_CACHE, "max_num_seqs=16", *engine_args):
             argv += ["--engine-arg", arg]
         self.log_path = log_path
+        # the key Triton's model control answers to (backend/config/control_key.py), shared with `serve`
+        self.control = {CONTROL_KEY_HEADER: ensure_control_key()}
         self.process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not self.ready():
@@ -203,7 +206,8 @@ def _ranks(served: Served) -> list[psutil.Process]:
 
 def _model_state(served: Served) -> str:
     """The model's state in Triton's repository index (READY, UNAVAILABLE, ...)."""
-    index = httpx.post(f"http://127.0.0.1:{served.http}/v2/repository/index", json={}, timeout=10).json()
+    index = httpx.post(f"http://127.0.0.1:{served.http}/v2/repository/index", json={}, headers=served.control,
+                       timeout=10).json()
     return next((m.get("state", "") for m in index if m["name"] == "llm"), "")
 
 
@@ -256,14 +260,16 @@ def test_tensor_parallel_behind_triton_fails_recovers_and_unloads_cleanly(tmp_pa
         while _model_state(served) != "UNAVAILABLE":
             assert time.monotonic() - start < 15, _model_state(served)
             time.sleep(0.2)
-        assert httpx.post(f"{triton}/load", timeout=120).status_code == 200 and served.ready(model=True)
+        assert httpx.post(f"{triton}/load", headers=served.control, timeout=120).status_code == 200
+        assert served.ready(model=True)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         [rank_1] = _ranks(served)
-        assert httpx.post(f"{triton}/unload", timeout=60).status_code == 200
+        assert httpx.post(f"{triton}/unload", headers=served.control, timeout=60).status_code == 200
         rank_1.wait(15)  # unloading the model stops its worker...
         assert httpx.get(f"http://127.0.0.1:{served.http}/v2/health/live").status_code == 200  # ...not Triton
 
-        assert httpx.post(f"{triton}/load", timeout=120).status_code == 200 and served.ready(model=True)
+        assert httpx.post(f"{triton}/load", headers=served.control, timeout=120).status_code == 200
+        assert served.ready(model=True)
         [rank_1] = _ranks(served)
         stack = served.processes()
         assert rank_1 in stack

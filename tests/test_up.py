@@ -178,7 +178,7 @@ def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tm
     import httpx
     import psutil
 
-    from backend.addresses import is_loopback
+    from backend.config.addresses import is_loopback
     from backend.entrypoints.up import PORT_STRIDE
     from tests.conftest import TritonMetrics
 

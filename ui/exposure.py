@@ -2,7 +2,7 @@
 an address other hosts reach, a key without a login would hand the gateway to anyone there."""
 from __future__ import annotations
 
-from backend.addresses import is_loopback
+from backend.config.addresses import is_loopback
 
 AUTH_ENV = "NPU_LLM_UI_AUTH"  # USER:PASSWORD, the UI's login (Gradio's auth); in the environment, not on argv
 

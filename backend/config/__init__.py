@@ -1,5 +1,6 @@
 """The engine's configuration, at the bottom of the library: it imports nothing else of backend (vLLM keeps its
-configs in vllm/config/ likewise). engine.py: EngineConfig, every engine knob; kv_transfer.py: kv_transfer_config."""
+configs in vllm/config/ likewise). engine.py: EngineConfig, every engine knob; kv_transfer.py: kv_transfer_config;
+control_key.py: the deployment's shared secret; addresses.py: loopback or not."""
 from backend.config.engine import (
     DEFAULT_MODEL,
     DEVICE_CHOICES,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 
 from backend.config import EngineConfig
-from backend.control_key import control_key
+from backend.config.control_key import control_key
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ class InputProcessor:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
         self.eos_token_ids, self.num_kv_blocks = eos_token_ids, num_kv_blocks
         self.kv_transfer = config.kv_transfer  # (parsed once: read by each request that carries kv_transfer_params)
-        # with it, a remote prefill's params must carry a producer's signature (backend/control_key.py)
+        # with it, a remote prefill's params must carry a producer's signature (backend/config/control_key.py)
         self.control_key = control_key() if self.kv_transfer is not None else None
 
     def process(self, child_ids: list[str], prompt: PromptType,

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from backend.config import EngineConfig, parse_engine_args
-from backend.control_key import ensure_control_key
+from backend.config.control_key import ensure_control_key
 from backend.models.registry import resolve_model
 from backend.triton.model_json import ModelJson, parse_model_json
 from backend.triton.launcher import (

@@ -10,7 +10,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.control_key import control_key
+from backend.config.control_key import control_key
 from backend.engine.sampling_params import SamplingParams
 from backend.triton.contract import (
     ADMIN_PARAMETER,

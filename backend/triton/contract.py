@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.control_key import CONTROL_KEY_ENV
+from backend.config.control_key import CONTROL_KEY_ENV
 from backend.engine.outputs import RequestOutput
 
 from backend.engine.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ ENGINE_UNAVAILABLE = "engine unavailable: "
 # asks for engine_info (the served max_model_len).
 ADMIN_PARAMETER = "npu_llm_admin"
 ADMIN_ACTIONS = ("start_profile", "stop_profile", "engine_info")
-# The server's control key (backend/control_key.py), which `npu-llm serve` and `up` also restrict Triton's
+# The server's control key (backend/config/control_key.py), which `npu-llm serve` and `up` also restrict Triton's
 # model-control APIs to. An admin action that changes the engine (a profile writes files and slows every request)
 # must carry it too, as this request parameter; engine_info is a lookup, as open as vLLM's /v1/models. A Triton
 # started by hand, without the variable, leaves its admin actions as open as its own APIs.

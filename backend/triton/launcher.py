@@ -16,9 +16,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.addresses import is_loopback
+from backend.config.addresses import is_loopback
 from backend.config.kv_transfer import KVTransferConfig
-from backend.control_key import CONTROL_KEY_ENV
+from backend.config.control_key import CONTROL_KEY_ENV
 from backend.triton.instances import with_instance_count
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def server_command(
     host: str = "127.0.0.1", key: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """host: the address of all three endpoints. Loopback by default: Triton has no authentication, so an open
-    port would bypass the gateway's API key. key: the control key (backend/control_key.py), or None to leave Triton's
+    port would bypass the gateway's API key. key: the control key (backend/config/control_key.py), or None to leave Triton's
     APIs unrestricted."""
     argv = [
         str(server.binary),

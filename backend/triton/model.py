@@ -26,7 +26,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.control_key import control_key
+from backend.config.control_key import control_key
 from backend.engine.async_engine import AsyncEngine, EngineDeadError
 from backend.triton.contract import (
     ENGINE_UNAVAILABLE,

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.addresses import is_loopback
+from backend.config.addresses import is_loopback
 from backend.config import KVTransferConfig
-from backend.control_key import control_key, signature
+from backend.config.control_key import control_key, signature
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
 from backend.engine.kv_transfer.loopback import listeners_are_local
 from backend.engine.kv_transfer.params import KVTransferParams

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from backend.control_key import signed_by
+from backend.config.control_key import signed_by
 
 # A prompt of max_model_len tokens at block size 1 still fits; anything longer is not a block table.
 MAX_REMOTE_BLOCKS = 1 << 20
@@ -29,7 +29,7 @@ class KVTransferParams(BaseModel):
     remote_host: str | None = Field(None, min_length=1, max_length=256)
     remote_port: int | None = Field(None, ge=1, le=65535)
     remote_tp_size: int = Field(1, ge=1, le=1024)
-    # (from a producer) its HMAC of the fields above under the deployment's control key (backend/control_key.py): a
+    # (from a producer) its HMAC of the fields above under the deployment's control key (backend/config/control_key.py): a
     # consumer that has the key pulls only from params a producer holding it signed
     remote_signature: str | None = Field(None, max_length=128)
 
