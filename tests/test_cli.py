@@ -27,6 +27,20 @@ def test_serve_with_a_missing_model():
     _one_line_error(_npu_llm("serve", "--model", "/no/such/model"), "not found")
 
 
+def test_serve_disaggregated_without_the_shared_control_key():
+    """Each side of a deployment started apart would make its own key, and its consumers would refuse every pull."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "NPU_LLM_CONTROL_KEY"}
+    config = '{"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer"}'
+    run = subprocess.run([sys.executable, "-m", "backend.entrypoints.cli", "serve", "--engine-arg",
+                          f"kv_transfer_config={config}"], capture_output=True, text=True, timeout=120, env=env)
+    _one_line_error(run, "share one NPU_LLM_CONTROL_KEY")
+    bad = subprocess.run([sys.executable, "-m", "backend.entrypoints.cli", "serve", "--http-port", "1"],
+                         capture_output=True, text=True, timeout=120, env={**env, "NPU_LLM_CONTROL_KEY": "a b"})
+    _one_line_error(bad, "NPU_LLM_CONTROL_KEY must be")
+
+
 def test_serve_with_a_busy_port():
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))

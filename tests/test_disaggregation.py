@@ -421,6 +421,8 @@ def test_npu_engines_pull_the_kv_bit_for_bit_over_the_ascend_transport(fake_npu,
       "remote_host": "h", "remote_port": 1}, "greater than or equal to 0"),
     ({"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [1],
       "remote_host": "h", "remote_port": 70000}, "remote_port"),
+    ({"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [1],
+      "remote_host": "h", "remote_port": 1, "remote_signature": "\u00e9" * 64}, "remote_signature"),
 ])
 def test_malformed_kv_transfer_params_are_refused_where_they_enter(params, message):
     with pytest.raises(ValueError, match=message):

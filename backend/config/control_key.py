@@ -9,9 +9,11 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 
 CONTROL_KEY_ENV = "NPU_LLM_CONTROL_KEY"
+KEY_FORMAT = re.compile(r"[A-Za-z0-9_-]{16,}")
 
 
 def control_key() -> str | None:
@@ -23,7 +25,10 @@ def ensure_control_key() -> str:
     into this process's environment so that every Triton and gateway started from here shares it."""
     if not control_key():
         os.environ[CONTROL_KEY_ENV] = secrets.token_urlsafe(32)
-    return os.environ[CONTROL_KEY_ENV]
+    key = os.environ[CONTROL_KEY_ENV]
+    if not KEY_FORMAT.fullmatch(key):  # (it goes into Triton's "<apis>:<header>=<value>" options)
+        raise ValueError(f"{CONTROL_KEY_ENV} must be 16 or more of A-Z, a-z, 0-9, '-' and '_'")
+    return key
 
 
 def signature(fields: dict, key: str) -> str:
@@ -33,4 +38,4 @@ def signature(fields: dict, key: str) -> str:
 
 
 def signed_by(fields: dict, given: str | None, key: str) -> bool:
-    return given is not None and hmac.compare_digest(given, signature(fields, key))
+    return given is not None and hmac.compare_digest(given.encode(), signature(fields, key).encode())

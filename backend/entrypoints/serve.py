@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from backend.config import EngineConfig, parse_engine_args
-from backend.config.control_key import ensure_control_key
+from backend.config.control_key import CONTROL_KEY_ENV, control_key, ensure_control_key
 from backend.models.registry import resolve_model
 from backend.triton.model_json import ModelJson, parse_model_json
 from backend.triton.launcher import (
@@ -76,10 +76,11 @@ def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port:
     """Start tritonserver on a run copy of the repository (not waiting for it); returns the process and its work dir."""
     for port, name in ((http_port, "HTTP"), (grpc_port, "gRPC"), (metrics_port, "metrics")):
         check_port_free(port, name)
+    key = ensure_control_key()
     work_dir = make_work_dir()
     server = find_tritonserver(work_dir)
     copy = run_copy(repository, work_dir, engine_args)
-    argv, env = server_command(server, copy, http_port, grpc_port, metrics_port, list(extra), host, ensure_control_key())
+    argv, env = server_command(server, copy, http_port, grpc_port, metrics_port, list(extra), host, key)
     env.update(loopback_listeners(copy))
     process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=new_session)
@@ -120,6 +121,11 @@ def checked_engine_args(args) -> tuple[Path, dict, ModelJson]:
 
 def serve(args) -> int:
     repository, engine_args, model = checked_engine_args(args)
+    if model.config.kv_transfer_config is not None and not control_key():
+        raise ValueError(f"kv_transfer_config: the servers of a disaggregated deployment and its gateway share one "
+                         f"{CONTROL_KEY_ENV} (a consumer pulls only KV a producer holding it signed): set the same "
+                         f"value, 16 or more of A-Z a-z 0-9 - _, for each `npu-llm serve` and the gateway "
+                         f"(`npu-llm up --disaggregate` does it for you)")
 
     # Its own session, so that stopping it can take its python stub along (stop_process_group).
     process, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,

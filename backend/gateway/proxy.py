@@ -19,9 +19,10 @@ from backend.gateway.client import Chunk, InvalidRequest, TritonClient, TritonUn
 
 log = logging.getLogger(__name__)
 
-# What a prefill asks for beside the client's request (as vLLM's proxy forwards it, so that the prefill server
-# refuses what the decode server would, before it holds any block): one token (which the decode server samples
-# again, as vLLM's consumer does), the prompt's blocks kept for a consumer.
+# What a prefill asks for beside the client's request (as vLLM's proxy forwards it, so that the prefill server refuses
+# a bad request before it holds any block; what only the decode server's limits catch, prompt + max_tokens, it refuses
+# and releases the prefill itself): one token (which the decode server samples again, as vLLM's consumer does), the
+# prompt's blocks kept for a consumer.
 PREFILL = {"max_tokens": 1, "min_tokens": 0, "kv_transfer_params": KVTransferParams(do_remote_decode=True)}
 
 

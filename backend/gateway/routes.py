@@ -19,9 +19,9 @@ from backend.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from backend.gateway.protocol_responses import ResponsesRequest
 from backend.gateway.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from backend.gateway.request_body import parse
+from backend.gateway.responses import ModelCard, ModelList
 
 log = logging.getLogger(__name__)
-from backend.gateway.responses import ModelCard, ModelList
 
 
 async def until_disconnected(request: Request, work):

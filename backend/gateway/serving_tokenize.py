@@ -16,7 +16,7 @@ from backend.gateway.tools import render_prompt
 
 
 # Rendering and encoding a body's worth of text takes a while: on a worker thread, so open streams go on meanwhile;
-# one at a time, as the gateway has one tokenizer (Hugging Face's fast tokenizers must not be entered twice at once).
+# one /tokenize at a time (the event loop's own uses of the tokenizer, chat rendering and decoding, only read it).
 _TOKENIZING = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-llm-tokenize")
 
 

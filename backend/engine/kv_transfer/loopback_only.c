@@ -1,11 +1,13 @@
 /* Preloaded (LD_PRELOAD) into a server whose KV transfer address is loopback, so that Mooncake's listeners, which
- * bind every interface whatever address they are given, stay on this host: a bind to a wildcard address made from
- * a library under NPU_LLM_LOOPBACK_ONLY_FROM (Mooncake's package folder) becomes a bind to loopback. IPv4 0.0.0.0
- * becomes 127.0.0.1; IPv6 :: becomes ::ffff:127.0.0.1, on which a dual-stack socket (Mooncake's TCP transport)
- * accepts IPv4 loopback connections, or ::1 on an IPv6-only socket. Every other bind passes as it is: Triton's own
- * ports go where --triton-host says. See backend/engine/kv_transfer/loopback.py. */
+ * bind every interface whatever address they are given, stay on this host: a bind to a wildcard address made from a
+ * library under one of the folders in NPU_LLM_LOOPBACK_ONLY_FROM (':'-separated, resolved paths: Mooncake's package
+ * and the libraries its wheel vendors) becomes a bind to loopback. IPv4 0.0.0.0 becomes 127.0.0.1; IPv6 :: becomes
+ * ::ffff:127.0.0.1, on which a dual-stack socket (Mooncake's TCP transport) accepts IPv4 loopback connections, or
+ * ::1 on an IPv6-only socket. Every other bind passes as it is: Triton's own ports go where --triton-host says.
+ * See backend/engine/kv_transfer/loopback.py. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,12 +15,23 @@
 
 typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
 
+/* Found with dlsym by the process it is preloaded into: proof that the preload took (loopback.py). */
+int npu_llm_loopback_only = 1;
+
 static int called_from_scope(const void *caller) {
-    const char *scope = getenv("NPU_LLM_LOOPBACK_ONLY_FROM");
+    const char *scopes = getenv("NPU_LLM_LOOPBACK_ONLY_FROM");
     Dl_info info;
-    if (!scope || !*scope || !dladdr(caller, &info) || !info.dli_fname)
+    char path[PATH_MAX];
+    if (!scopes || !*scopes || !dladdr(caller, &info) || !info.dli_fname || !realpath(info.dli_fname, path))
         return 0;
-    return strncmp(info.dli_fname, scope, strlen(scope)) == 0;
+    for (const char *scope = scopes; *scope;) {
+        const char *end = strchr(scope, ':');
+        size_t length = end ? (size_t)(end - scope) : strlen(scope);
+        if (length && strncmp(path, scope, length) == 0)
+            return 1;
+        scope += length + (end != NULL);
+    }
+    return 0;
 }
 
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {

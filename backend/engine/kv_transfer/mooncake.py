@@ -97,6 +97,7 @@ class MooncakeConnectorV1(KVConnector):
         self._peers: dict[tuple[str, int], _Peer] = {}
         # per producer, so that a slow or stalled one holds up only its own pulls (and releases)
         self._pools: OrderedDict[tuple[str, int], ThreadPoolExecutor] = OrderedDict()
+        self._retired: list[ThreadPoolExecutor] = []  # evicted pools, for shutdown() to wait on
         self._server: SideChannelServer | None = None
 
     # -- scheduler side ---------------------------------------------------------------------------
@@ -175,7 +176,8 @@ class MooncakeConnectorV1(KVConnector):
             self._pools[address] = pool
             while len(self._pools) > MAX_PEERS:
                 gone, old = self._pools.popitem(last=False)
-                old.shutdown(wait=False)
+                old.shutdown(wait=False)  # (its running pulls end on their own; shutdown() waits for them)
+                self._retired.append(old)
                 self._peers.pop(gone, None)
         return pool
 
@@ -206,7 +208,7 @@ class MooncakeConnectorV1(KVConnector):
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.stop()
-        for pool in self._pools.values():
+        for pool in [*self._pools.values(), *self._retired]:
             pool.shutdown(wait=True, cancel_futures=True)
         for address, _ in self._tensors:
             self._engine.unregister_memory(address)
@@ -333,7 +335,9 @@ class MooncakeConnectorV1(KVConnector):
                     f"the KV producer at {host}:{port} lays its cache out differently ({len(peer.tensors)} tensors, "
                     f"block_size {peer.block_size}) from this engine ({len(mine)} tensors, block_size "
                     f"{self.block_size}): both sides must serve the same model with the same dtype and block_size")
-            self._peers[(host, port)] = peer
+            with self._lock:
+                if (host, port) in self._pools:  # (not a producer evicted meanwhile: _peers stays bounded)
+                    self._peers[(host, port)] = peer
         if peer.engine_id != engine_id:
             raise ValueError(f"kv_transfer_params name engine {engine_id!r}, but the engine at {host}:{port} is "
                              f"{peer.engine_id!r}")

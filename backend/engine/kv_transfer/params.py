@@ -16,6 +16,8 @@ from backend.config.control_key import signed_by
 # A prompt of max_model_len tokens at block size 1 still fits; anything longer is not a block table.
 MAX_REMOTE_BLOCKS = 1 << 20
 BlockId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+SIGNED_FIELDS = ("do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
+                 "remote_port", "remote_tp_size")
 
 
 class KVTransferParams(BaseModel):
@@ -31,11 +33,12 @@ class KVTransferParams(BaseModel):
     remote_tp_size: int = Field(1, ge=1, le=1024)
     # (from a producer) its HMAC of the fields above under the deployment's control key (backend/config/control_key.py): a
     # consumer that has the key pulls only from params a producer holding it signed
-    remote_signature: str | None = Field(None, max_length=128)
+    remote_signature: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
     def signed_fields(self) -> dict:
-        """What the signature covers: where to pull from and what."""
-        return self.model_dump(exclude={"remote_signature"})
+        """What the signature covers: where to pull from and what (named, so that a field added later with a default
+        does not change what older servers sign)."""
+        return {name: getattr(self, name) for name in SIGNED_FIELDS}
 
     def issued_with(self, key: str | None) -> bool:
         """Whether a producer holding key signed these (any params pass where there is no key to check against)."""

@@ -13,9 +13,9 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often the server thread looks up from its socket to see whether it should stop
 # The largest message either end takes (ZMQ drops the connection of a peer sending more): a request names one prefill
-# (its prompt's token ids: about 8 bytes each as JSON), an answer the KV layout. A peer's multi-gigabyte frame must
-# not run the engine out of memory.
-MAX_MESSAGE_BYTES = 1 << 20
+# (its prompt's token ids, up to 7 bytes each as compact JSON: a million-token prompt fits), an answer the KV layout.
+# A peer's multi-gigabyte frame must not run the engine out of memory.
+MAX_MESSAGE_BYTES = 8 << 20
 
 
 class Unavailable(Exception):
@@ -85,7 +85,7 @@ def call(host: str, port: int, request: dict, timeout_s: float) -> dict:
     socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         socket.connect(f"tcp://{host}:{port}")
-        socket.send(json.dumps(request).encode())
+        socket.send(json.dumps(request, separators=(",", ":")).encode())
         return json.loads(socket.recv())
     except zmq.Again:
         raise TimeoutError(f"the KV producer's side channel at {host}:{port} did not answer in {timeout_s} s") from None
