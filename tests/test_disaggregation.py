@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.config.control_key import CONTROL_KEY_ENV, signature
+from backend.config.control_key import CONTROL_KEY_ENV
 from backend.engine.engine import LLMEngine
 from backend.engine.kv_transfer import mooncake
 from backend.engine.kv_transfer.params import KVTransferParams
@@ -40,8 +40,7 @@ TEST_CONTROL_KEY = "disaggregation-test-key"
 
 def signed(params: dict, key: str = TEST_CONTROL_KEY) -> dict:
     """params as a producer holding key signs them (a test's changed params, or an outsider's with another key)."""
-    fields = KVTransferParams.model_validate(params).signed_fields()
-    return {**fields, "remote_signature": signature(fields, key)}
+    return KVTransferParams.model_validate(params).signed_with(key).model_dump()
 
 
 @pytest.fixture(scope="module")

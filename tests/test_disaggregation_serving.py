@@ -199,11 +199,10 @@ def test_a_request_the_decode_server_refuses_frees_its_prefill_at_once(stack):
 
 def _signed(params: dict) -> dict:
     """params as a producer of the stack signs them (the servers were started with this process's control key)."""
-    from backend.config.control_key import control_key, signature
+    from backend.config.control_key import control_key
     from backend.engine.kv_transfer.params import KVTransferParams
 
-    fields = KVTransferParams.model_validate(params).signed_fields()
-    return {**fields, "remote_signature": signature(fields, control_key())}
+    return KVTransferParams.model_validate(params).signed_with(control_key()).model_dump()
 
 
 def _kill(server) -> None:

@@ -30,7 +30,7 @@ from ui import conversations
 from ui.chat_client import ChatClient, chat_request
 from ui.content_policy import MIDDLEWARE
 from ui.conversations import SETTINGS
-from ui.exposure import AUTH_ENV, exposure_error, login
+from ui.exposure import checked_login
 from ui.messages import before_reply, is_thought, note, settled, text_of
 from ui.server_metrics import HISTORY_S, REFRESH_S, ServerMetrics
 
@@ -374,13 +374,9 @@ def run_ui(args) -> int:
     """`npu-llm ui` (flags in backend/entrypoints/cli.py)."""
     api_key = args.api_key or os.environ.get("NPU_LLM_API_KEY") or None  # the gateway's, read from the same variable
     try:
-        auth = login(os.environ.get(AUTH_ENV))
+        auth = checked_login(args.host, api_key)
     except ValueError as e:
         print(f"npu-llm ui: {e}", file=sys.stderr)
-        return 2
-    refused = exposure_error(args.host, api_key, auth)
-    if refused:
-        print(f"npu-llm ui: {refused}", file=sys.stderr)
         return 2
     app = build_app(UISettings(args.gateway_url, args.metrics_url, api_key, args.prefill_metrics_url))
     app.queue().launch(server_name=args.host, server_port=args.port, show_error=False, quiet=True, auth=auth,

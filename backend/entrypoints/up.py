@@ -134,14 +134,12 @@ def _start_front(args, config, with_ui: bool, servers: list[TritonServer]) -> li
 
 
 def up(args) -> int:
-    from ui.exposure import AUTH_ENV, exposure_error, login
+    from ui.exposure import checked_login
 
     try:  # (the UI would refuse it too, but only once Triton and the gateway had started)
-        refused = exposure_error(args.host, os.environ.get("NPU_LLM_API_KEY"), login(os.environ.get(AUTH_ENV)))
+        checked_login(args.host, os.environ.get("NPU_LLM_API_KEY"))
     except ValueError as e:
-        refused = str(e)
-    if refused:
-        print(f"npu-llm up: {refused}", file=sys.stderr)
+        print(f"npu-llm up: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -68,16 +68,20 @@ async def completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     req = await parse(request, ResponsesRequest)
     state = request.app.state
-    store = state.response_store.of(request.headers.get("authorization"))
-    return await until_disconnected(request, serving_responses.answer(state.serving, store, req, request.state.started))
+    return await until_disconnected(request, serving_responses.answer(state.serving, _callers_responses(request), req,
+                                                                      request.state.started))
 
 
 async def kept_response(request: Request) -> Response:
-    store = request.app.state.response_store.of(request.headers.get("authorization"))
-    response_id = request.path_params["response_id"]
+    store, response_id = _callers_responses(request), request.path_params["response_id"]
     if request.method == "DELETE":
         return serving_responses.forget(store, response_id)
     return serving_responses.retrieve(store, response_id)
+
+
+def _callers_responses(request: Request):
+    """The kept responses this request's caller may see (backend/gateway/response_store.py)."""
+    return request.app.state.response_store.of(request.headers.get("authorization"))
 
 
 async def tokenize(request: Request) -> Response:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.config.addresses import is_loopback
-from backend.config.kv_transfer import KVTransferConfig
 from backend.config.control_key import CONTROL_KEY_ENV
 from backend.triton.instances import with_instance_count
+from backend.triton.model_json import parse_model_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
@@ -153,13 +153,9 @@ def server_command(
 def loopback_listeners(repository: Path) -> dict[str, str]:
     """The environment that keeps Mooncake's listeners on loopback (backend/engine/kv_transfer/loopback.py), when the
     run copy's models move KV and every one of them on a loopback kv_ip; else nothing."""
-    kv_ips = []
-    for model_json in repository.glob("*/[0-9]*/model.json"):
-        transfer = json.loads(model_json.read_text()).get("kv_transfer_config")
-        if isinstance(transfer, str):  # (as `--engine-arg kv_transfer_config=...` leaves it)
-            transfer = json.loads(transfer)
-        if transfer:
-            kv_ips.append(transfer.get("kv_ip", KVTransferConfig.model_fields["kv_ip"].default))
+    transfers = [parse_model_json(json.loads(model_json.read_text())).config.kv_transfer
+                 for model_json in repository.glob("*/[0-9]*/model.json")]
+    kv_ips = [transfer.kv_ip for transfer in transfers if transfer is not None]
     if not kv_ips or not all(is_loopback(ip) for ip in kv_ips):
         return {}
     from backend.engine.kv_transfer.loopback import loopback_environment

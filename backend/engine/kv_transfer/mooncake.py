@@ -31,7 +31,7 @@ import torch
 
 from backend.config.addresses import is_loopback
 from backend.config import KVTransferConfig
-from backend.config.control_key import control_key, signature
+from backend.config.control_key import control_key
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
 from backend.engine.kv_transfer.loopback import listeners_are_local
 from backend.engine.kv_transfer.params import KVTransferParams
@@ -137,9 +137,8 @@ class MooncakeConnectorV1(KVConnector):
         pull = KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.config.engine_id, remote_request_id=request.request_id,
             remote_block_ids=blocks, remote_host=self.config.kv_ip, remote_port=self.config.kv_port, remote_tp_size=1)
-        if key := control_key():
-            pull = pull.model_copy(update={"remote_signature": signature(pull.signed_fields(), key)})
-        return True, pull.model_dump()
+        key = control_key()
+        return True, (pull.signed_with(key) if key else pull).model_dump()
 
     def release_refused(self, params: KVTransferParams, prompt_token_ids: list[int]) -> None:
         self._pool_of(params).submit(self._release_unpulled, params, list(prompt_token_ids))

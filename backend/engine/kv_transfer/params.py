@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from backend.config.control_key import signed_by
+from backend.config.control_key import signature, signed_by
 
 # A prompt of max_model_len tokens at block size 1 still fits; anything longer is not a block table.
 MAX_REMOTE_BLOCKS = 1 << 20
@@ -39,6 +39,10 @@ class KVTransferParams(BaseModel):
         """What the signature covers: where to pull from and what (named, so that a field added later with a default
         does not change what older servers sign)."""
         return {name: getattr(self, name) for name in SIGNED_FIELDS}
+
+    def signed_with(self, key: str) -> "KVTransferParams":
+        """These params as a producer holding key issues them."""
+        return self.model_copy(update={"remote_signature": signature(self.signed_fields(), key)})
 
     def issued_with(self, key: str | None) -> bool:
         """Whether a producer holding key signed these (any params pass where there is no key to check against)."""
