@@ -1,7 +1,7 @@
 """npu-llm: LLM serving on Ascend NPUs (and CUDA, CPU) behind NVIDIA Triton."""
 from __future__ import annotations
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "LoRARequest"]
 
 
 def __getattr__(name):
@@ -22,4 +22,8 @@ def __getattr__(name):
         from backend.config import EngineConfig
 
         return EngineConfig
+    if name == "LoRARequest":
+        from backend.engine.lora_request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

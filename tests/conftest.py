@@ -250,6 +250,28 @@ def rewrite_checkpoint(model_dir, tmp_path, change_tensors=None, change_config=N
     return bad
 
 
+def make_peft_adapter(base_dir, path, rank: int, targets: list[str], seed: int, use_rslora: bool = False):
+    """A random PEFT LoRA adapter of `base_dir` saved at `path` (A and B both random, so that it matters), and the
+    base model with it merged (PEFT's merge_and_unload, fp32): the reference for what serving it must give."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
+                        use_rslora=use_rslora)
+    model = get_peft_model(hf_model(base_dir), config)
+    model.save_pretrained(path)
+    return model.merge_and_unload().eval()
+
+
+def greedy_tokens(model, prompt: list[int], steps: int) -> list[int]:
+    """A Hugging Face model's greedy continuation, never stopping early (as ignore_eos)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat((ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 

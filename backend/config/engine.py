@@ -18,8 +18,9 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # auto: npu > cuda > cpu (backe
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
 QUANTIZATION_CHOICES = ("compressed-tensors", "ascend")  # vLLM's names; which are served: backend/models/quantization.py
-MTP_METHODS = ("deepseek_mtp", "mtp")
-OVERRIDE_DEST = "engine_flag_"  # where a command's engine flags given as overrides land, apart from its own flags  # vLLM's names for drafting with the checkpoint's MTP layer
+MTP_METHODS = ("deepseek_mtp", "mtp")  # vLLM's names for drafting with the checkpoint's MTP layer
+OVERRIDE_DEST = "engine_flag_"  # where a command's engine flags given as overrides land, apart from its own flags
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ class EngineConfig:
     # vLLM's: this engine as one side of disaggregated prefill, e.g. {"kv_connector": "MooncakeConnectorV1",
     # "kv_role": "kv_producer", "kv_port": 14579} (docs/disaggregation.md); None: it prefills and decodes its own
     kv_transfer_config: dict | None = None
+    # vLLM's: serve LoRA adapters (docs/lora.md); max_loras of them in one step, each of rank <= max_lora_rank,
+    # max_cpu_loras kept loaded in host memory (None: max_loras), least recently used beyond that
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         self._check()
@@ -113,6 +120,24 @@ class EngineConfig:
             fail("quantization", f"must be one of {', '.join(QUANTIZATION_CHOICES)}, or unset (the checkpoint's own)")
         if self.kv_transfer_config is not None:
             self._check_kv_transfer(fail)
+        self._check_lora(fail)
+
+    def _check_lora(self, fail) -> None:
+        if self.max_lora_rank not in LORA_RANKS:
+            fail("max_lora_rank", f"must be one of {', '.join(map(str, LORA_RANKS))}")
+        if self.max_loras < 1:
+            fail("max_loras", "must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            fail("max_cpu_loras", f"must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.speculative_config is not None:
+            fail("enable_lora", "the MTP drafter takes no adapters: leave speculative_config unset")
+        if self.enable_lora and self.kv_transfer_config is not None:
+            fail("enable_lora", "a prefill moved between engines carries no adapter: leave kv_transfer_config unset")
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters kept loaded in host memory (vLLM's max_cpu_loras, which defaults to max_loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     def _check_kv_transfer(self, fail) -> None:
         """Parsed once, so that a generated engine_id stays the same; stored back as a plain dict."""
@@ -142,6 +167,8 @@ class EngineConfig:
         if platform == "cpu" and not self.enforce_eager:
             log.warning("enforce_eager=False: torch has no CPU graphs, so the engine runs eagerly")
             self.enforce_eager = True
+        if self.enable_lora and not self.enforce_eager:
+            raise ValueError("enable_lora: decode graphs do not capture the adapters yet; set enforce_eager=true")
         if self.tensor_parallel_size > 1 and not self.enforce_eager:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: decode graphs do not capture the "
                              "all-reduce yet; set enforce_eager=true")

@@ -28,6 +28,7 @@ from backend.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.engine.stats import EngineInfo, EngineStats
 from backend.engine.input_processor import PromptType
+from backend.engine.lora_request import LoRARequest
 from backend.engine.profiler import ProfileResult
 from backend.engine.outputs import RequestOutput
 from backend.engine.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class _Add:
     prompt: PromptType
     params: SamplingParams | None
     stream: _Stream
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -128,7 +130,8 @@ class AsyncEngine:
     # -- the caller's side ------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs as tokens arrive; the last has finished=True. Invalid requests raise ValueError here, a failure
         of this request in the engine raises its error, and a dead engine raises EngineDeadError.
@@ -138,7 +141,7 @@ class AsyncEngine:
         self._check_accepting()
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._send(_Add(request_id, prompt, sampling_params, stream))
+        self._send(_Add(request_id, prompt, sampling_params, stream, lora_request))
         finished = False
         try:
             while True:
@@ -159,6 +162,12 @@ class AsyncEngine:
 
     async def stop_profile(self) -> ProfileResult:
         return await self._call(LLMEngine.stop_profile)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self._call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call(lambda engine: engine.remove_lora(lora_int_id))
 
     async def _call(self, method):
         """method(engine) on the step thread, between two steps; its result or exception comes back here."""
@@ -291,7 +300,7 @@ class AsyncEngine:
             command.stream.put(ValueError(f"request_id {command.request_id!r} is already in use"))
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.lora_request)
         except Exception as e:  # ValueError: a request that can never run
             command.stream.put(e)
             return

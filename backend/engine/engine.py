@@ -24,6 +24,7 @@ from backend.engine.executor import start_workers
 from backend.engine.input_processor import InputProcessor, PromptType
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.kv_transfer.connector import KVConnector, create_connector
+from backend.engine.lora_request import LoRARequest
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.profiler import ProfileResult, Profiler
 from backend.engine.outputs import RequestOutput
@@ -89,12 +90,13 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             drafting=config.speculative_config is not None, connector=self.kv_connector,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         # speculative decoding: the checkpoint's MTP layer drafts a token a step (spec_decode.py)
         self.drafter = MTPDrafter(self.runner, self.kv) if config.speculative_config is not None else None
         self.step_runner = StepRunner(self.runner, self.kv, drafting=self.drafter is not None)
         self.inputs = InputProcessor(config, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                     started.num_blocks)
+                                     started.num_blocks, self.runner.add_lora if config.enable_lora else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._aborted: list[RequestOutput] = []
@@ -117,8 +119,10 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
-        """Queue a request; raises ValueError (naming the problem) for one that could never run."""
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request (run with `lora_request`'s adapter, if given); raises ValueError (naming the problem) for
+        one that could never run."""
         self._check_running()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -130,7 +134,7 @@ class LLMEngine:
         if request_id in self.outputs.parents or any(c in taken for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:
-            text, children = self.inputs.process(child_ids, prompt, params)
+            text, children = self.inputs.process(child_ids, prompt, params, lora_request)
         except ValueError:
             # a remote prefill refused here (prompt + max_tokens too long, ...): its producer would hold the blocks
             # until its timeout, and a client repeating it could pin them all
@@ -143,6 +147,26 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
         return request_id
+
+    # -- adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) ----------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check the adapter now (ValueError naming what is wrong) and keep it loaded."""
+        self._check_running()
+        self.inputs.check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a loaded adapter (requests running with it keep it until they finish: it is read again then)."""
+        self._check_running()
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        self.runner.remove_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded in host memory."""
+        return set() if self.runner.lora is None else set(self.runner.lora.cpu)
 
     def abort_request(self, request_id: str, emit_output: bool = True) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (finish_reason "abort"), which the

@@ -43,6 +43,18 @@ class ParallelRunner:
     def execute(self, chunks) -> StepOutput:
         return self._on_every_rank("execute", chunks)
 
+    @property
+    def lora(self):
+        """Rank 0's adapters (the other ranks hold the same ones, their shards)."""
+        return self.runner.lora
+
+    def add_lora(self, lora) -> None:
+        """Rank 0 reads and checks the adapter now; the others read their shards when a step first needs it."""
+        self.runner.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        return self._on_every_rank("remove_lora", lora_int_id)
+
     def _on_every_rank(self, name: str, *args):
         try:
             self.workers.broadcast([name, args])

@@ -5,10 +5,12 @@ names the problem, before anything is queued."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 from backend.config import EngineConfig
 from backend.config.control_key import control_key
 from backend.engine.kv_transfer.params import KVTransferParams
+from backend.engine.lora_request import LoRARequest
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.tokenizer import encode_prompt
@@ -18,20 +20,33 @@ PromptType = str | list[int] | dict
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: set[int], num_kv_blocks: int):
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: set[int], num_kv_blocks: int,
+                 add_lora: Callable[[LoRARequest], None] | None = None):
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
+        self.add_lora = add_lora  # with enable_lora: reads and checks an adapter (the runner's add_lora)
         self.eos_token_ids, self.num_kv_blocks = eos_token_ids, num_kv_blocks
         self.kv_transfer = config.kv_transfer  # (parsed once: read by each request that carries kv_transfer_params)
         # with it, a remote prefill's params must carry a producer's signature (backend/config/control_key.py)
         self.control_key = control_key() if self.kv_transfer is not None else None
 
-    def process(self, child_ids: list[str], prompt: PromptType,
-                params: SamplingParams) -> tuple[str | None, list[Request]]:
+    def process(self, child_ids: list[str], prompt: PromptType, params: SamplingParams,
+                lora_request: LoRARequest | None = None) -> tuple[str | None, list[Request]]:
         """(the prompt's text where it has one, a Request per sample: `child_ids`)."""
         text, ids = self._prompt_ids(prompt)
         max_tokens = self._check(ids, params)
-        return text, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids)
-                           for i, cid in enumerate(child_ids)]
+        self.check_lora(lora_request)
+        return text, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids, lora_request)
+                      for i, cid in enumerate(child_ids)]
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """An adapter the engine can serve: read now (kept loaded), so that a bad one fails here, not in a step."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.add_lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        self.add_lora(lora_request)
 
     def refused_pull(self, prompt: PromptType, params: SamplingParams) -> tuple[KVTransferParams, list[int]] | None:
         """For a request refused here that a producer of this deployment prefilled for this engine: (its params, its

@@ -62,11 +62,14 @@ class KVCacheManager:
     # -- prefix cache -----------------------------------------------------------------------------
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """Hash chain of the request's first num_blocks full blocks, extended incrementally on the request."""
+        """Hash chain of the request's first num_blocks full blocks, extended incrementally on the request. The chain
+        starts from the request's adapter (vLLM puts the LoRA's name and path in the block hash): the same tokens under two
+        adapters, or under one and the base model, have different KV and never share a block."""
         hashes, bs = request.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash((hashes[-1] if hashes else None, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
+            parent = hashes[-1] if hashes else request.lora_request and request.lora_request.cache_key
+            hashes.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
         return hashes[:num_blocks]
 
     def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from backend.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.engine.input_processor import PromptType
+from backend.engine.lora_request import LoRARequest
 from backend.engine.profiler import ProfileResult
 from backend.engine.outputs import RequestOutput
 from backend.engine.sampling_params import SamplingParams
@@ -46,23 +47,37 @@ class LLM:
         return self.engine.stop_profile()
 
     def generate(
-        self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in input order. A prompt is a string, a list of token ids or {"prompt_token_ids": [...]}."""
+        """Outputs in input order. A prompt is a string, a list of token ids or {"prompt_token_ids": [...]}; one
+        adapter runs them all, or a list gives one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(None, prompt, sp))
+            for prompt, sp, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(None, prompt, sp, lora))
             return self._run(ids)
         except BaseException:
             for request_id in ids:  # leave the engine as it was: nothing of this call keeps running
                 self.engine.abort_request(request_id, emit_output=False)
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -77,9 +92,10 @@ class LLM:
         return [done[i] for i in ids]
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": chat_prompt_ids(self.engine.tokenizer, c)} for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request)

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from backend.engine.lora_request import LoRARequest
 from backend.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
@@ -23,7 +24,8 @@ class Request:
     Its block table belongs to the KVCacheManager; its text and logprobs to the OutputProcessor.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, eos_ids):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, eos_ids,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -52,6 +54,11 @@ class Request:
         # params a producer returns for the consumer (backend/engine/kv_transfer/)
         self.kv_transfer_params = params.kv_transfer_params
         self.kv_transfer_params_out: dict | None = None
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def num_prompt_tokens(self) -> int:

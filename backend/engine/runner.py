@@ -7,6 +7,8 @@ import numpy as np
 import torch
 
 from backend.engine.decode_graphs import DecodeGraphs
+from backend.engine.lora_manager import LoRAManager
+from backend.engine.lora_request import LoRARequest
 from backend.engine.outputs import Logprob
 from backend.engine.sampler import ranked_logprobs
 from backend.platform import Platform
@@ -44,6 +46,7 @@ class SequenceChunk:
     wants_logits: bool = True  # False for a prefill chunk that does not reach the end of the prompt
     prompt_scoring: PromptScoring | None = None  # the prompt logprobs it computes, if asked for
     num_drafts: int = 0  # draft tokens ending token_ids, to verify: the logits after each are wanted too
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -70,8 +73,9 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, lora: LoRAManager | None = None):
         self.model = model
+        self.lora = lora  # with enable_lora: the adapters this rank holds (backend/engine/lora_manager.py)
         self.block_size = block_size
         self.device = torch.device(device)
         self.decode_graphs: DecodeGraphs | None = None
@@ -132,6 +136,8 @@ class ModelRunner:
     def _run_dummy(self, shapes: list[tuple[int, int]]) -> torch.Tensor:
         """Hidden states of a step of (new tokens, context) sequences reading and writing the scratch block."""
         shapes = sorted(shapes, key=lambda shape: shape[0] != 1)  # the kernels take decodes first
+        if self.lora is not None:
+            self.lora.layers.set_segments([], [])  # (the base model's)
         chunks = [SequenceChunk([0] * n, c - n, [self.scratch_block] * cdiv(c, self.block_size)) for n, c in shapes]
         return self.model(*self._prepare(chunks, [n for n, _ in shapes], [c for _, c in shapes]))
 
@@ -147,10 +153,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """Run one step: fp32 logits for the chunks that want them, and the prompt logprobs chunks ask for."""
-        # Kernels take decodes first; remember where each chunk went.
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        # Kernels take decodes first (and each adapter's rows together: backend/models/lora.py); remember where each
+        # chunk went.
+        slots = self.lora.activate([c.lora for c in chunks]) if self.lora is not None else [-1] * len(chunks)
+        order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, slots[i]))
         ordered = [chunks[i] for i in order]
         query_lens = [len(c.token_ids) for c in ordered]
+        if self.lora is not None:
+            self.lora.layers.set_segments([slots[i] for i in order], query_lens)
         context_lens = [c.num_computed + len(c.token_ids) for c in ordered]
         # Only the last token of each sequence that wants logits reaches the lm_head.
         last = np.cumsum(query_lens) - 1
@@ -198,6 +208,18 @@ class ModelRunner:
             if not rows:
                 return []
             return self.model.mtp.compute_logits(drafted[torch.tensor(rows, device=self.device)]).argmax(-1).tolist()
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read the adapter into host memory now (ValueError naming what is wrong), so that a step never does."""
+        self._lora_manager().add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._lora_manager().remove(lora_int_id)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        return self.lora
 
     def _score_prompt(self, hidden: torch.Tensor, start: int, scoring: PromptScoring) -> list[dict[int, Logprob]]:
         """The logprobs of the prompt tokens one chunk predicts, PROMPT_LOGPROBS_ROWS rows of logits at a time."""

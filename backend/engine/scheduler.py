@@ -46,8 +46,9 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                 drafting: bool = False, connector: KVConnector | None = None):
+                 drafting: bool = False, connector: KVConnector | None = None, max_loras: int | None = None):
         self.kv = kv
+        self.max_loras = max_loras  # with enable_lora: adapters among the running requests, at most
         self.connector = connector
         self.loading: dict[str, Request] = {}  # request id -> request whose prompt KV is being pulled into its blocks
         self.loaded: deque[Request] = deque()  # requests whose prompt KV has arrived, to run first
@@ -144,11 +145,13 @@ class Scheduler:
 
         # New requests only when nobody had to make room this step.
         computing: set[int] = set()  # hashes of the full blocks that requests admitted in this step will fill
-        compiling: list[Request] = []  # passed over until their grammar is compiled (vLLM's WAITING_FOR_FSM)
+        # passed over for now: a grammar being compiled (vLLM's WAITING_FOR_FSM), or an adapter beyond max_loras
+        passed_over: list[Request] = []
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
-            if request.waiting_for_grammar:
-                compiling.append(self.waiting.popleft())
+            if request.waiting_for_grammar or self._lora_full(request, adapters):
+                passed_over.append(self.waiting.popleft())
                 continue
             hits = self.kv.find_cached_prefix(request)
             if self.drafting:
@@ -178,8 +181,15 @@ class Scheduler:
             self._run(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+            if request.lora_name is not None:
+                adapters.add(request.lora_name)
+        self.waiting.extendleft(reversed(passed_over))
         return scheduled
+
+    def _lora_full(self, request: Request, adapters: set[str]) -> bool:
+        """Its adapter would be one more than max_loras among the running requests (as vLLM's scheduler skips it)."""
+        return self.max_loras is not None and request.lora_name is not None and \
+            request.lora_name not in adapters and len(adapters) >= self.max_loras
 
     def _run(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

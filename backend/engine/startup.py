@@ -18,6 +18,7 @@ from torch import nn
 from backend.config import EngineConfig
 from backend.engine import memory
 from backend.engine.executor import ParallelRunner
+from backend.engine.lora_manager import LoRAManager
 from backend.engine.request import Request
 from backend.engine.runner import ModelRunner
 from backend.engine.sampler import sample
@@ -53,7 +54,8 @@ def start(config: EngineConfig, platform: Platform, model_dir: Path, tp, workers
     )
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = eos_token_ids(model_dir, model_config, tokenizer)
-    runner = ModelRunner(model, 0, config.block_size, platform.device)  # the scratch block only
+    # the scratch block only; with enable_lora, the adapters' slots (counted with the weights)
+    runner = ModelRunner(model, 0, config.block_size, platform.device, LoRAManager.for_config(model, config))
     if workers is not None:
         runner = ParallelRunner(runner, workers)
     weights = memory.allocated(platform) - in_use_before  # (and the rope table and the scratch block)

@@ -76,7 +76,7 @@ class Workers(ABC):
 
 
 # What a worker may be asked to run: ParallelRunner's calls.
-RUNNER_CALLS = frozenset({"allocate_kv_cache", "profile_run", "warm_up", "execute"})
+RUNNER_CALLS = frozenset({"allocate_kv_cache", "profile_run", "warm_up", "execute", "remove_lora"})
 
 
 def share_cpu_threads(device_type: str, size: int) -> int:
@@ -88,6 +88,7 @@ def share_cpu_threads(device_type: str, size: int) -> int:
 
 def run_worker(config: EngineConfig, device: str, rank: int, size: int, init_method: str, threads: int) -> None:
     """One rank: its shards of the model on `device`, then every call rank 0 broadcasts, until told to stop."""
+    from backend.engine.lora_manager import LoRAManager
     from backend.models.loader import load_model
     from backend.models.registry import resolve_model
     from backend.platform import resolve_platform
@@ -100,7 +101,7 @@ def run_worker(config: EngineConfig, device: str, rank: int, size: int, init_met
     model, _, _ = load_model(resolve_model(config.model), ops_for(platform.name), platform.device, config.dtype,
                              config.max_model_len, tp, config.enable_expert_parallel,
                              quantization=config.quantization)
-    runner = ModelRunner(model, 0, config.block_size, platform.device)
+    runner = ModelRunner(model, 0, config.block_size, platform.device, LoRAManager.for_config(model, config))
     wait_until_all_loaded()
     with torch.inference_mode():
         while True:

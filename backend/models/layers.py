@@ -25,9 +25,13 @@ class Linear(nn.Linear):
         self.input_scale = None  # static activation scale: one per checkpoint layer fused here, then their max
         self.input_offset = None  # msModelSlim's static activation offset (an integer), likewise
         self.weight_offset = None  # msModelSlim's W8A16 weight offset [N, 1] where not zero: w = (q + offset) * scale
+        self.lora = None  # with enable_lora: the adapters' slots, added to the output (backend/models/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return self._with_lora(self._matmul(x, self.bias), x)
+
+    def _with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y if self.lora is None else self.lora.add_to(y, x)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         with scope("matmul"):
@@ -103,7 +107,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        y = self._matmul(x, None if self.tp.rank else self.bias)
+        y = self._with_lora(self._matmul(x, None if self.tp.rank else self.bias), x)  # (a partial sum, as y is)
         return self.tp.all_reduce(y) if self.reduce_results else y
 
 
