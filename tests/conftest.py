@@ -368,8 +368,9 @@ def reference_llm():
 
 
 @contextlib.contextmanager
-def served_by_triton(engine_args: dict, log_path):
-    """A real tritonserver serving model_repository (a run copy with engine_args) for the block; stopped after."""
+def served_by_triton(engine_args: dict, log_path, lora_modules: dict[str, str] | None = None):
+    """A real tritonserver serving model_repository (a run copy with engine_args, and lora_modules as `serve
+    --lora-modules` adds them) for the block; stopped after."""
     import shutil
 
     from backend.entrypoints.serve import start_server, stop_process_group, wait_ready
@@ -377,7 +378,8 @@ def served_by_triton(engine_args: dict, log_path):
 
     ports = free_port(), free_port(), free_port()
     with open(log_path, "w") as log:
-        process, work_dir = start_server(DEFAULT_REPOSITORY, engine_args, *ports, log_file=log, new_session=True)
+        process, work_dir = start_server(DEFAULT_REPOSITORY, engine_args, *ports, log_file=log, new_session=True,
+                                         lora_modules=lora_modules)
     server = TritonUnderTest(process, work_dir, log_path, *ports)
     try:
         try:
@@ -413,9 +415,9 @@ GATEWAY_API_KEY = "test-key"
 
 
 def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None = GATEWAY_API_KEY,
-                  extra_args: tuple = (), env_api_key: str | None = None):
-    """`npu-llm gateway` as a real process; returns it once it answers HTTP (its model list, which needs no Triton).
-    env_api_key: the key given through NPU_LLM_API_KEY instead of --api-key."""
+                  extra_args: tuple = (), env_api_key: str | None = None, env: dict[str, str] | None = None):
+    """`npu-llm gateway` as a real process; returns it once it answers HTTP (its model list, which answers without
+    Triton too). env_api_key: the key given through NPU_LLM_API_KEY instead of --api-key; env: more variables."""
     import os
     import subprocess
     import sys
@@ -427,7 +429,7 @@ def start_gateway(triton_grpc_url: str, port: int, log_path, api_key: str | None
             "--max-body-bytes", "200000", *extra_args]
     if api_key:
         argv += ["--api-key", api_key]
-    env = {k: v for k, v in os.environ.items() if k != "NPU_LLM_API_KEY"}
+    env = {**{k: v for k, v in os.environ.items() if k != "NPU_LLM_API_KEY"}, **(env or {})}
     if env_api_key:
         env["NPU_LLM_API_KEY"] = env_api_key
     process = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)

@@ -21,14 +21,19 @@ def test_a_vllm_backend_model_json_loads():
     assert parse_model_json({"model": "m", "disable_log_stats": True}).disable_log_stats is True
     assert parse_model_json({"model": "m", "dtype": "half"}).config.dtype == "float16"  # vLLM's alias
     assert parse_model_json({"model": "m", "tensor_parallel_size": 3}).config.tensor_parallel_size == 3
+    # vllm_backend reads its enable_lora switch as a string too (its samples write "true")
+    for value, enabled in ((True, True), ("true", True), ("True", True), ("false", False), (False, False)):
+        assert parse_model_json({"model": "m", "enable_lora": value}).config.enable_lora is enabled
+    with pytest.raises(ValueError, match="enable_lora='yes'"):
+        parse_model_json({"model": "m", "enable_lora": "yes"})
 
 
 def test_what_cannot_be_honoured_fails_the_load_by_name():
     with pytest.raises(ValueError) as error:
-        parse_model_json({"model": "m", "pipeline_parallel_size": 2, "kv_cache_dtype": "fp8", "enable_lora": True})
+        parse_model_json({"model": "m", "pipeline_parallel_size": 2, "kv_cache_dtype": "fp8", "enable_sleep_mode": True})
     message = str(error.value)
     assert "pipeline_parallel_size=2" in message and "kv_cache_dtype='fp8'" in message
-    assert "enable_lora (unknown)" in message
+    assert "enable_sleep_mode (unknown)" in message
     assert "accepted keys:" in message and "pipeline_parallel_size" in message.split("accepted keys:")[1]
     with pytest.raises(ValueError, match="disable_log_stats='false'"):  # a string is not a switch
         parse_model_json({"model": "m", "disable_log_stats": "false"})

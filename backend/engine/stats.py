@@ -38,6 +38,10 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: drafts made and accepted
     kv_transfer: TransferStats | None = None  # with a KV connector: what it moved and held
     num_transferring: int = 0  # requests whose blocks a transfer holds: being pulled here, or kept for a consumer
+    # with enable_lora: max_loras, and the adapters of the running and of the waiting requests (name -> requests)
+    max_loras: int | None = None
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 def collect_stats(scheduler: Scheduler, kv: KVCacheManager, model, drafter: MTPDrafter | None,
@@ -60,4 +64,15 @@ def collect_stats(scheduler: Scheduler, kv: KVCacheManager, model, drafter: MTPD
         spec_decode=None if drafter is None else drafter.stats.copy(),
         kv_transfer=None if kv_connector is None else kv_connector.stats.copy(),
         num_transferring=len(scheduler.loading) + len(scheduler.sending),
+        max_loras=scheduler.max_loras,
+        running_lora_adapters=_adapters(scheduler.running),
+        waiting_lora_adapters=_adapters(scheduler.waiting),
     )
+
+
+def _adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in list(requests):
+        if request.lora_name is not None:
+            counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+    return counts

@@ -16,6 +16,7 @@ from pathlib import Path
 from backend.config import EngineConfig, parse_engine_args
 from backend.config.control_key import CONTROL_KEY_ENV, control_key, ensure_control_key
 from backend.models.registry import resolve_model
+from backend.triton.loras import parse_lora_modules
 from backend.triton.model_json import ModelJson, parse_model_json
 from backend.triton.launcher import (
     DEFAULT_REPOSITORY,
@@ -72,14 +73,15 @@ def client_host(host: str) -> str:
 
 def start_server(repository: Path, engine_args: dict, http_port: int, grpc_port: int, metrics_port: int,
                  extra: list[str] = (), log_file=None, new_session: bool = False,
-                 host: str = "127.0.0.1") -> tuple[subprocess.Popen, Path]:
-    """Start tritonserver on a run copy of the repository (not waiting for it); returns the process and its work dir."""
+                 host: str = "127.0.0.1", lora_modules: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """Start tritonserver on a run copy of the repository (not waiting for it), with lora_modules added to its
+    adapters; returns the process and its work dir."""
     for port, name in ((http_port, "HTTP"), (grpc_port, "gRPC"), (metrics_port, "metrics")):
         check_port_free(port, name)
     key = ensure_control_key()
     work_dir = make_work_dir()
     server = find_tritonserver(work_dir)
-    copy = run_copy(repository, work_dir, engine_args)
+    copy = run_copy(repository, work_dir, engine_args, lora_modules)
     argv, env = server_command(server, copy, http_port, grpc_port, metrics_port, list(extra), host, key)
     env.update(loopback_listeners(copy))
     process = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
@@ -110,6 +112,8 @@ def checked_engine_args(args) -> tuple[Path, dict, ModelJson]:
     engine_args = {**EngineConfig.cli_overrides(args), **parse_engine_args(args.engine_arg or [])}
     if args.model:
         engine_args["model"] = args.model
+    if lora_modules_of(args):  # (adapters are served only with it)
+        engine_args["enable_lora"] = True
     # every model's model.json, as the run copy will have it (llm/1 first: its config is the one printed)
     found = sorted(repository.glob("*/[0-9]*/model.json"), key=lambda p: p.parts[-3:] != ("llm", "1", "model.json"))
     models = [parse_model_json({**json.loads(p.read_text()), **engine_args}) for p in found]
@@ -117,6 +121,11 @@ def checked_engine_args(args) -> tuple[Path, dict, ModelJson]:
     for model in models:
         resolve_model(model.config.model)
     return repository, engine_args, models[0]
+
+
+def lora_modules_of(args) -> dict[str, str]:
+    """--lora-modules, parsed (a ValueError naming a bad one)."""
+    return parse_lora_modules(getattr(args, "lora_modules", None) or [])
 
 
 def serve(args) -> int:
@@ -129,7 +138,8 @@ def serve(args) -> int:
 
     # Its own session, so that stopping it can take its python stub along (stop_process_group).
     process, work_dir = start_server(repository, engine_args, args.http_port, args.grpc_port, args.metrics_port,
-                                     args.triton_arg or [], new_session=True, host=args.triton_host)
+                                     args.triton_arg or [], new_session=True, host=args.triton_host,
+                                     lora_modules=lora_modules_of(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -163,5 +173,8 @@ def add_serve_args(parser, engine_flags: bool = True) -> None:
                         help="address Triton's HTTP, gRPC and metrics ports listen on (0.0.0.0: every interface; "
                              "Triton has no authentication, so open it only on a trusted network)")
     parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="override a model.json key")
+    parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                        help="LoRA adapters to serve, as vLLM takes them (NAME=PATH, or JSON {\"name\": ..., "
+                             "\"path\": ...}): added to multi_lora.json, enable_lora set (docs/lora.md)")
     parser.add_argument("--triton-arg", action="append", metavar="ARG", help="extra tritonserver argument")
 

@@ -19,7 +19,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from backend.entrypoints.serve import checked_engine_args, client_host, start_server, stop_process_group, wait_http, wait_ready
+from backend.entrypoints.serve import (
+    checked_engine_args, client_host, lora_modules_of, start_server, stop_process_group, wait_http, wait_ready,
+)
 
 # Server k of a disaggregated layout listens on the given ports + k * PORT_STRIDE, its KV side channel on
 # --kv-port + k * PORT_STRIDE (room for a server's data-parallel engines, kv_port + instance each).
@@ -86,7 +88,7 @@ def running_stack(args, with_ui: bool = True, stop: threading.Event | None = Non
         for server in servers:  # (all at once: each loads its model while the others do)
             triton, work_dir = start_server(repository, server.engine_args, server.http_port, server.grpc_port,
                                             server.metrics_port, args.triton_arg or [], new_session=True,
-                                            host=args.triton_host)
+                                            host=args.triton_host, lora_modules=lora_modules_of(args))
             children.append(triton)
             work_dirs.append(work_dir)
         for server, triton in zip(servers, children):

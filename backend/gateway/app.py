@@ -25,8 +25,9 @@ from backend.gateway.middleware import ApiKeyMiddleware, RequestMetricsMiddlewar
 from backend.gateway.proxy import DisaggregatedClient
 from backend.gateway.reasoning import REASONING_PARSERS, reasoning_parser
 from backend.gateway.response_store import ResponseStore
-from backend.gateway.routes import COUNTED, ROUTES
+from backend.gateway.routes import COUNTED, ROUTES, RUNTIME_LORA_ROUTES
 from backend.gateway.serving import Serving
+from backend.gateway.serving_models import runtime_lora_updating
 from backend.gateway.tools import TOOL_CALL_PARSERS, tool_call_parser
 from backend.models.registry import DEFAULT_MODEL
 
@@ -87,7 +88,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
     tokenizer = tokenizer or _load_tokenizer(settings.tokenizer)
     serving = Serving(tokenizer, tool_call_parser=tool_call_parser(tokenizer, settings.tool_call_parser),
                       reasoning_parser=reasoning_parser(tokenizer, settings.reasoning_parser),
-                      allow_kv_transfer_params=settings.allow_kv_transfer_params)
+                      allow_kv_transfer_params=settings.allow_kv_transfer_params,
+                      served_model_name=settings.served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -107,7 +109,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
     middleware.append(Middleware(RequestMetricsMiddleware, metrics=serving.metrics, endpoints=COUNTED))
     if settings.api_key is not None:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key))
-    app = Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan,
+    routes = ROUTES + (RUNTIME_LORA_ROUTES if runtime_lora_updating() else [])
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                                         ClientDisconnect: _client_left, Exception: _unexpected})
     app.state.settings, app.state.serving, app.state.response_store = settings, serving, ResponseStore()

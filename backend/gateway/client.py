@@ -19,6 +19,7 @@ from backend.triton.contract import (
     INVALID_REQUEST,
     sampling_parameters_json,
 )
+from backend.triton.loras import is_lora_refusal
 
 
 class TritonUnavailable(RuntimeError):
@@ -26,7 +27,11 @@ class TritonUnavailable(RuntimeError):
 
 
 class InvalidRequest(ValueError):
-    """The engine rejected the request's content."""
+    """The engine rejected the request's content (or the adapter a request or an admin action names: not found)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -74,13 +79,13 @@ class TritonClient:
         await self._client.close()
 
     async def generate(self, prompt: str, params: SamplingParams, stream: bool, request_id: str,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[Chunk]:
+                       prompt_token_ids: list[int] | None = None, lora_name: str | None = None) -> AsyncIterator[Chunk]:
         """Responses of one request (the completion only, never the prompt); leaving the iteration early cancels
         it on the server. With prompt_token_ids the engine gets those ids as they are, and `prompt` is their text.
         params travel whole, kv_transfer_params included, as the sampling_parameters input."""
         inputs = [
             infer_input("text_input", prompt.encode()),
-            infer_input("sampling_parameters", sampling_parameters_json(params).encode()),
+            infer_input("sampling_parameters", sampling_parameters_json(params, lora_name).encode()),
             infer_input("stream", stream),
             infer_input("exclude_input_in_output", True),
             infer_input("return_finish_reason", True),
@@ -117,9 +122,10 @@ class TritonClient:
             if not done:  # the client went away: cancel, so the engine aborts and frees the request's blocks
                 responses.cancel()
 
-    async def admin(self, action: str) -> dict:
-        """An engine admin action (backend/triton/contract.py ADMIN_ACTIONS); the model's JSON answer."""
-        parameters = {ADMIN_PARAMETER: action}
+    async def admin(self, action: str, **arguments: str) -> dict:
+        """An engine admin action (backend/triton/contract.py ADMIN_ACTIONS), with its arguments; the model's JSON
+        answer."""
+        parameters = {**arguments, ADMIN_PARAMETER: action}
         if key := control_key():  # (set by `npu-llm up`, or by hand beside `npu-llm serve`'s)
             parameters[CONTROL_KEY_PARAMETER] = key
 
@@ -146,6 +152,8 @@ def _request_error(error: InferenceServerException) -> Exception:
     message = error.message()
     if message.startswith(INVALID_REQUEST):
         return InvalidRequest(message[len(INVALID_REQUEST):])
+    if is_lora_refusal(message):  # (vllm_backend's texts, without the prefix)
+        return InvalidRequest(message)
     if message.startswith(ENGINE_UNAVAILABLE) or "unknown model" in message or "no available versions" in message:
         return TritonUnavailable(message)
     return RuntimeError(message)

@@ -15,14 +15,16 @@ log = logging.getLogger(__name__)
 INTERNAL_ERROR = "internal error (the gateway's log has the details)"
 
 
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+def error_body(message: str, type_: str, code: int | str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code  # OpenAI's error code where it has one (e.g. model_not_found); else the status, as vLLM's
 
     @classmethod
     def of(cls, error: Exception) -> "ApiError":
@@ -31,14 +33,14 @@ class ApiError(Exception):
         if isinstance(error, ApiError):
             return error
         if isinstance(error, InvalidRequest):
-            return cls(400, str(error))
+            return cls(error.status, str(error))
         if isinstance(error, TritonUnavailable):
             return cls(503, str(error), "service_unavailable")
         log.error("internal error", exc_info=error)
         return cls(500, INTERNAL_ERROR, "internal_error")
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.status, self.param)
+        return error_body(self.message, self.type, self.code or self.status, self.param)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

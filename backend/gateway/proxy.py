@@ -67,10 +67,12 @@ class DisaggregatedClient:
             await client.close()
 
     async def generate(self, prompt: str, params: SamplingParams, stream: bool, request_id: str,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[Chunk]:
+                       prompt_token_ids: list[int] | None = None, lora_name: str | None = None) -> AsyncIterator[Chunk]:
         """The decode server's responses, after a prefill elsewhere: the least loaded decode server that answers.
         A request the consumer side cannot take from a remote prefill (several samples, prompt logprobs) is decoded
-        where it is prefilled: on a decode server."""
+        where it is prefilled: on a decode server. (Engines of a disaggregated deployment serve no adapters.)"""
+        if lora_name is not None:
+            raise InvalidRequest("LoRA adapters are not served with disaggregated prefill")
         if params.kv_transfer_params is None and params.n == 1 and params.prompt_logprobs is None:
             params = _with_transfer(params, await self._prefill(prompt, params, request_id, prompt_token_ids))
         unavailable = None
@@ -110,8 +112,10 @@ class DisaggregatedClient:
         log.warning("no prefill server answered: request %s is prefilled on its decode server", request_id)
         return None
 
-    async def admin(self, action: str) -> dict:
+    async def admin(self, action: str, **arguments: str) -> dict:
         """engine_info from a decode server (theirs is the limit a client meets); a profile action on every server."""
+        if arguments:
+            raise InvalidRequest("LoRA adapters are not served with disaggregated prefill")
         if action == "engine_info":
             return await self.decode.clients[0].admin(action)
         return {client.url: await client.admin(action) for client in self.prefill.clients + self.decode.clients}

@@ -1,5 +1,6 @@
 """A request's JSON body as its pydantic model, or the 4xx that names what is wrong with it: over the size limit,
-not JSON, not an object, a field out of range (named, as `param`), a model this server does not serve."""
+not JSON, not an object, a field out of range (named, as `param`), a model this server does not serve (neither the
+base model nor an adapter: backend/gateway/serving_models.py)."""
 from __future__ import annotations
 
 import json
@@ -8,15 +9,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from backend.gateway.errors import ApiError
+from backend.gateway.serving_models import check_model
 
 
 async def parse(request: Request, model_cls: type[BaseModel]):
     settings = request.app.state.settings
     parsed = validate(model_cls, await read_json(request, settings.max_body_bytes))
-    model = getattr(parsed, "model", None)
-    if model is not None and model != settings.served_model_name:
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {settings.served_model_name!r}",
-                       "not_found_error", "model")
+    await check_model(request.app.state.serving, getattr(parsed, "model", None))
     return parsed
 
 

@@ -111,6 +111,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "npu-llm"
+    root: str | None = None  # an adapter's folder (vLLM's field)
+    parent: str | None = None  # an adapter's base model
 
 
 class ModelList(BaseModel):

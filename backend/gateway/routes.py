@@ -13,13 +13,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backend.gateway import serving_chat, serving_completions, serving_responses, serving_tokenize
+from backend.gateway import serving_chat, serving_completions, serving_models, serving_responses, serving_tokenize
 from backend.gateway.errors import ApiError, triton_errors
 from backend.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from backend.gateway.protocol_responses import ResponsesRequest
 from backend.gateway.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from backend.gateway.request_body import parse
-from backend.gateway.responses import ModelCard, ModelList
+from backend.gateway.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,17 @@ async def version(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse(ModelList(data=[ModelCard(id=request.app.state.settings.served_model_name)]).model_dump())
+    return await serving_models.list_models(request.app.state.serving)
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    serving = request.app.state.serving
+    return await serving_models.load_adapter(serving, await parse(request, LoadLoRAAdapterRequest))
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    serving = request.app.state.serving
+    return await serving_models.unload_adapter(serving, await parse(request, UnloadLoRAAdapterRequest))
 
 
 async def health(request: Request) -> Response:
@@ -134,6 +144,11 @@ ROUTES = [
     Route("/metrics", metrics, methods=["GET"]),
     Route("/start_profile", profile, methods=["POST"]),
     Route("/stop_profile", profile, methods=["POST"]),
+]
+# With NPU_LLM_ALLOW_RUNTIME_LORA_UPDATING (backend/gateway/serving_models.py) only, as vLLM adds them.
+RUNTIME_LORA_ROUTES = [
+    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
 ]
 # The routes counted in npu_llm_gateway_requests_total (and timed), by their endpoint label.
 COUNTED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",

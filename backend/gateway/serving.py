@@ -64,11 +64,17 @@ class Serving:
     # a client's kv_transfer_params reach the engine only when the gateway is told so (a proxy in front of it):
     # they name other engines' blocks
     allow_kv_transfer_params: bool = False
+    served_model_name: str = ""  # the base model's name; any other `model` a request names is an adapter
+    adapters: dict[str, str] = field(default_factory=dict)  # the Triton model's LoRA adapters, as last asked
 
     async def start(self, endpoint: str, started: float, prompt: str, parameters: dict, stream: bool,
-                    request_id: str, prompt_token_ids: list[int] | None = None) -> tuple[Chunk, AsyncIterator[Chunk]]:
-        """Send the request to Triton and wait for its first response (the engine's verdict on it)."""
-        responses = self.triton.generate(prompt, self.sampling_params(parameters), stream, request_id, prompt_token_ids)
+                    request_id: str, prompt_token_ids: list[int] | None = None,
+                    model: str | None = None) -> tuple[Chunk, AsyncIterator[Chunk]]:
+        """Send the request to Triton (with the adapter its `model` names) and wait for its first response (the
+        engine's verdict on it)."""
+        lora_name = None if model in (None, self.served_model_name) else model
+        responses = self.triton.generate(prompt, self.sampling_params(parameters), stream, request_id, prompt_token_ids,
+                                         lora_name)
         with triton_errors():
             try:
                 first = await anext(responses)

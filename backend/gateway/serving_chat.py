@@ -49,7 +49,8 @@ def prepare(serving: Serving, req: ChatCompletionRequest) -> tuple[str, Structur
 
 async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, constraint, started: float) -> Response:
     rid = completion_id("chatcmpl")
-    chunk, responses = await serving.start("chat", started, prompt, req.engine_parameters(constraint), req.stream, rid)
+    chunk, responses = await serving.start("chat", started, prompt, req.engine_parameters(constraint), req.stream, rid,
+                                             model=req.model)
     deltas = [choice_deltas(serving, req, prompt, constraint) for _ in range(req.n)]
     if req.stream:
         return event_stream(_events(serving, req, deltas, rid, chunk, responses))

@@ -23,7 +23,7 @@ async def answer(serving: Serving, req: CompletionRequest, started: float) -> Re
             raise ApiError(400, "streaming a batch of prompts is not supported: send one prompt per request", param="prompt")
         prompt, ids = _prompt_text(serving, prompts[0])
         chunk, responses = await serving.start("completions", started, prompt, req.engine_parameters(constraint),
-                                               True, rid, ids)
+                                               True, rid, ids, req.model)
         return event_stream(_events(serving, req, rid, prompt, chunk, responses))
     try:
         async with asyncio.TaskGroup() as group:  # (one failing cancels the others, and its error is the answer)
@@ -51,7 +51,7 @@ async def _complete(serving: Serving, req: CompletionRequest, prompt: str | list
     """One prompt's choices (indexed from 0), usage, and kv_transfer_params (a prefill's, on a kv_producer)."""
     prompt, ids = _prompt_text(serving, prompt)
     chunk, responses = await serving.start("completions", started, prompt, req.engine_parameters(constraint),
-                                           False, rid, ids)
+                                           False, rid, ids, req.model)
     whole = await serving.gather(chunk, responses, req.n)
     echo = prompt if req.echo else ""
     generated = req.max_tokens != 0  # (0: the one token the engine sampled is not part of the answer)

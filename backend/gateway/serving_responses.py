@@ -37,7 +37,7 @@ async def answer(serving: Serving, store: CallersResponses, req: ResponsesReques
     prompt, constraint = serving_chat.prepare(serving, chat)
     rid = _id("resp")
     chunk, responses = await serving.start("responses", started, prompt, chat.engine_parameters(constraint),
-                                           bool(req.stream), rid)
+                                           bool(req.stream), rid, model=req.model)
     deltas = serving_chat.choice_deltas(serving, chat, prompt, constraint)
     answered = Answered(serving, store, req, rid, history)
     output = OutputItems()

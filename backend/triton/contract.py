@@ -23,16 +23,18 @@ INVALID_REQUEST = "Error generating stream: "
 ENGINE_UNAVAILABLE = "engine unavailable: "
 
 # A request whose Triton request parameters carry this key is an engine admin action, not a generation.
-# The gateway's POST /start_profile and /stop_profile send it (vLLM's routes of the same names), and its /tokenize
-# asks for engine_info (the served max_model_len).
+# The gateway's POST /start_profile and /stop_profile send it (vLLM's routes of the same names), its /tokenize and
+# /v1/models ask for engine_info (the served max_model_len, the adapters), and its /v1/load_lora_adapter and
+# /v1/unload_lora_adapter send those actions, with lora_name (and lora_path) as request parameters.
 ADMIN_PARAMETER = "npu_llm_admin"
-ADMIN_ACTIONS = ("start_profile", "stop_profile", "engine_info")
+LORA_ACTIONS = ("load_lora_adapter", "unload_lora_adapter")
+ADMIN_ACTIONS = ("start_profile", "stop_profile", "engine_info", *LORA_ACTIONS)
 # The server's control key (backend/config/control_key.py), which `npu-llm serve` and `up` also restrict Triton's
 # model-control APIs to. An admin action that changes the engine (a profile writes files and slows every request)
 # must carry it too, as this request parameter; engine_info is a lookup, as open as vLLM's /v1/models. A Triton
 # started by hand, without the variable, leaves its admin actions as open as its own APIs.
 CONTROL_KEY_PARAMETER = "npu_llm_control_key"
-KEYED_ADMIN_ACTIONS = ("start_profile", "stop_profile")
+KEYED_ADMIN_ACTIONS = ("start_profile", "stop_profile", *LORA_ACTIONS)
 
 # A token a grammar forbids has logprob -inf, which JSON cannot carry: vLLM's serving layer clamps it to this.
 MIN_LOGPROB = -9999.0
@@ -85,6 +87,7 @@ class ParsedRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     prompt_token_ids: list[int] | None = None
+    lora_name: str | None = None  # vllm_backend's: the adapter to run with (backend/triton/loras.py)
 
     @property
     def engine_prompt(self) -> str | dict:
@@ -98,10 +101,12 @@ def _scalar(value: np.ndarray | None):
     return None if value is None else value.reshape(-1)[0]
 
 
-def sampling_parameters_json(params: SamplingParams) -> str:
+def sampling_parameters_json(params: SamplingParams, lora_name: str | None = None) -> str:
     """The sampling_parameters input of a request, as the gateway sends it: every field the request sets (a default
-    left out; max_tokens None, "up to max_model_len", is not the default and crosses), in vLLM's names."""
-    return json.dumps(params.model_dump(mode="json", by_alias=True, exclude_defaults=True))
+    left out; max_tokens None, "up to max_model_len", is not the default and crosses), in vLLM's names, and the
+    adapter it runs with as vllm_backend's clients name it."""
+    values = params.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    return json.dumps(values if lora_name is None else {**values, "lora_name": lora_name})
 
 
 def request_parameters(raw: str | None) -> dict:
@@ -164,13 +169,17 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict) -> Par
     if stream and flags["exclude_input_in_output"] is False:
         raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
     flags = {name: bool(value) for name, value in flags.items()}
+    lora_name = values.pop("lora_name", None)
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise ValueError(f"lora_name must be a string, got {lora_name!r}")
     _objects_from_text(values)
     _from_guided_decoding(values)
     try:
         params = SamplingParams(**values)
     except ValueError as e:  # pydantic's message names each offending field
         raise ValueError(f"invalid sampling parameters: {e}") from None
-    return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids, **flags)
+    return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids,
+                         lora_name=lora_name, **flags)
 
 
 def _json_object(raw: str | bytes, source: str) -> dict:

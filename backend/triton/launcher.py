@@ -19,6 +19,7 @@ from pathlib import Path
 from backend.config.addresses import is_loopback
 from backend.config.control_key import CONTROL_KEY_ENV
 from backend.triton.instances import with_instance_count
+from backend.triton.loras import with_lora_modules
 from backend.triton.model_json import parse_model_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -86,9 +87,10 @@ def _pythonpath() -> str:
     return ":".join(dict.fromkeys(paths))
 
 
-def run_copy(repository: Path, work_dir: Path, engine_args: dict) -> Path:
+def run_copy(repository: Path, work_dir: Path, engine_args: dict, lora_modules: dict[str, str] | None = None) -> Path:
     """A copy of the repository whose model.json files carry engine_args; the user's files stay untouched.
-    A model whose model.json asks for data_parallel_size engines gets that many instances in its config.pbtxt.
+    A model whose model.json asks for data_parallel_size engines gets that many instances in its config.pbtxt, and
+    with lora_modules (`serve --lora-modules`) each model's multi_lora.json gets those adapters (and enable_lora).
 
     Everything else is a symlink, so model.py still resolves to this checkout.
     """
@@ -102,12 +104,14 @@ def run_copy(repository: Path, work_dir: Path, engine_args: dict) -> Path:
         if source.is_dir():
             dest.mkdir(parents=True, exist_ok=True)
         elif source.name == "model.json":
-            values = {**json.loads(source.read_text()), **engine_args}
+            values = {**json.loads(source.read_text()), **engine_args, **({"enable_lora": True} if lora_modules else {})}
             dest.write_text(json.dumps(values, indent=2))
             if "data_parallel_size" in values:
                 engines[dest.parent.parent] = values["data_parallel_size"]
         elif "__pycache__" not in source.parts:
             dest.symlink_to(source.resolve())
+    for model_json in target.glob("*/[0-9]*/model.json") if lora_modules else ():
+        with_lora_modules(model_json.parent, lora_modules)
     for model, count in engines.items():
         config = model / "config.pbtxt"
         if config.exists() and isinstance(count, int):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 REFRESH_S = 0.5
@@ -174,6 +175,8 @@ class VllmMetrics:
         self._transfer: dict[str, object] = {}
         self._transfer_seen: dict[str, float] = {}
         self._transferring = None
+        self._lora_requests = None  # vllm:lora_requests_info, with enable_lora
+        self._lora_series: dict[tuple, object] = {}
         self._labels = labels
         self._stats_fn = stats_fn
         self._take_iteration_tokens = take_iteration_tokens
@@ -215,6 +218,22 @@ class VllmMetrics:
             self._count_spec_decode(stats.spec_decode)
         if stats.kv_transfer is not None:
             self._count_kv_transfer(stats.kv_transfer, stats.num_transferring)
+        if stats.max_loras is not None:
+            self._lora_info(stats)
+
+    def _lora_info(self, stats) -> None:
+        """vLLM's vllm:lora_requests_info: a series per (max_lora, running, waiting) adapter names, comma-joined, set
+        to the time it was last seen (a dashboard reads the newest)."""
+        if self._lora_requests is None:
+            self._lora_requests = self._new_family("vllm:lora_requests_info", "Running stats on lora requests.",
+                                                   "GAUGE")
+        labels = {**self._labels, "max_lora": str(stats.max_loras),
+                  "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters),
+                  "running_lora_adapters": ",".join(stats.running_lora_adapters)}
+        key = tuple(labels.values())
+        if key not in self._lora_series:
+            self._lora_series[key] = self._lora_requests.Metric(labels=labels)
+        self._lora_series[key].set(time.time())
 
     def _count_kv_transfer(self, transfer, num_transferring: int) -> None:
         if not self._transfer:

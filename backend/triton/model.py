@@ -40,10 +40,12 @@ from backend.triton.contract import (
     response_tensors,
 )
 from backend.triton.instances import engine_config, instance_place
+from backend.triton.loras import LoRARefused, LoRARepository
 from backend.triton.metrics import InterTokenTimes, RequestRecord, VllmMetrics
 from backend.triton.model_json import parse_model_json
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+UNSUPPORTED_LORA = "[Error] Unsupported LoRA."  # the text_output of vllm_backend's refusal of a lora_name
 # finalize() waits this long, all requests together, for in-flight requests to send their last response.
 FINALIZE_WAIT_S = 5.0
 
@@ -99,6 +101,7 @@ class TritonPythonModel:
                              f"instance_group has {count} instance(s): one engine per instance, so make them equal "
                              "(`npu-llm serve` writes the count from data_parallel_size)")
         config = self._engine_config(model_json.config, index, count)
+        self.loras = LoRARepository.for_model(config.enable_lora, model_dir)  # (before the engine: a missing file)
         params = self.model_config.get("parameters", {})
         # vllm_backend's switch; on by default here, since a dead engine should never look ready
         self._health_check = _bool_parameter(params, "ENABLE_VLLM_HEALTH_CHECK", default=True)
@@ -130,6 +133,9 @@ class TritonPythonModel:
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._sender_thread = threading.Thread(target=self._send_loop, name="npu-llm-sender", daemon=True)
         self._sender_thread.start()
+        # every adapter of multi_lora.json read and checked now: a bad one fails the load, named
+        for lora in self.loras.adapters.values():
+            asyncio.run_coroutine_threadsafe(self.engine.add_lora(lora), self._loop).result()
 
     @staticmethod
     def _engine_config(config, index: int, count: int):
@@ -175,7 +181,7 @@ class TritonPythonModel:
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
         if action is not None:
-            await self._admin(action, sender)
+            await self._admin(action, parameters, sender)
             return
         try:
             inputs = {}
@@ -183,12 +189,16 @@ class TritonPythonModel:
                 tensor = pb_utils.get_input_tensor_by_name(request, spec["name"])
                 inputs[spec["name"]] = None if tensor is None else tensor.as_numpy()
             parsed = parse_request(inputs, parameters)
+            lora = self.loras.resolve(parsed.lora_name)
+        except LoRARefused as e:  # (vllm_backend's texts, as its response carries them)
+            self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG, UNSUPPORTED_LORA)
+            return
         except ValueError as e:
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
         request_id = f"triton-{next(self._ids)}"
         try:
-            await self._generate(parsed, request_id, sender)
+            await self._generate(parsed, lora, request_id, sender)
         except ValueError as e:  # rejected by the engine (prompt too long, ...)
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
         except EngineDeadError as e:
@@ -197,11 +207,11 @@ class TritonPythonModel:
             self.logger.log_error(f"[npu-llm] request {request_id} failed: {traceback.format_exc()}")
             self._send_error(sender, f"generation failed: {e}", pb_utils.TritonError.INTERNAL)
 
-    async def _generate(self, parsed: ParsedRequest, request_id: str, sender: _Sender) -> None:
+    async def _generate(self, parsed: ParsedRequest, lora, request_id: str, sender: _Sender) -> None:
         sent_tokens = [0] * parsed.params.n
         output = None
         gaps = InterTokenTimes()
-        async for output in self.engine.generate(parsed.engine_prompt, parsed.params, request_id):
+        async for output in self.engine.generate(parsed.engine_prompt, parsed.params, request_id, lora):
             gaps.update(output)
             if sender.cancelled or (not parsed.stream and sender.sender.is_cancelled()):
                 self.logger.log_info(f"[npu-llm] request {request_id} cancelled")
@@ -215,18 +225,32 @@ class TritonPythonModel:
             self._queue_response(sender, response_tensors(parsed, output, sent_tokens), True)
         self._record(output, parsed, gaps)
 
-    async def _admin(self, action: str, sender: _Sender) -> None:
-        """start_profile / stop_profile / engine_info; the answer is one JSON text_output."""
+    async def _admin(self, action: str, parameters: dict, sender: _Sender) -> None:
+        """start_profile / stop_profile / engine_info / load_lora_adapter / unload_lora_adapter; the answer is one
+        JSON text_output."""
         try:
             if action == "engine_info":
-                result = {"max_model_len": self.engine.config.max_model_len}
+                result = {"max_model_len": self.engine.config.max_model_len, "enable_lora": self.loras.enabled,
+                          "lora_adapters": self.loras.listing()}
+            elif action == "load_lora_adapter":
+                lora = self.loras.new(str(parameters.get("lora_name", "")), str(parameters.get("lora_path", "")))
+                await self.engine.add_lora(lora)  # (read and checked before anyone can name it)
+                self.loras.add(lora)
+                result = {"loaded": lora.lora_name}
+            elif action == "unload_lora_adapter":
+                lora = self.loras.remove(str(parameters.get("lora_name", "")))
+                await self.engine.remove_lora(lora.lora_int_id)
+                result = {"unloaded": lora.lora_name}
             elif action == "start_profile":
                 await self.engine.start_profile()
                 result = {"profiling": True}
             else:
                 profile = await self.engine.stop_profile()
                 result = {"profiling": False, **profile.to_dict(), "table": profile.table()}
-        except (ValueError, RuntimeError) as e:  # profiling off, or not in the state the action needs
+        except LookupError as e:  # an adapter that is not there
+            self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.NOT_FOUND)
+            return
+        except (ValueError, RuntimeError) as e:  # profiling off, a bad adapter, not in the state the action needs
             self._send_error(sender, f"{INVALID_REQUEST}{e}", pb_utils.TritonError.INVALID_ARG)
             return
         if action != "engine_info":  # (a lookup, not worth a line)
@@ -262,8 +286,12 @@ class TritonPythonModel:
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
         self._responses.put((sender, response, FINAL if final else 0))
 
-    def _send_error(self, sender: _Sender, message: str, code) -> None:
-        self._responses.put((sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), FINAL))
+    def _send_error(self, sender: _Sender, message: str, code, text_output: str | None = None) -> None:
+        """An error response (with a text_output too where vllm_backend's carries one)."""
+        tensors = [] if text_output is None else [
+            pb_utils.Tensor("text_output", np.array([text_output.encode()], dtype=np.object_))]
+        response = pb_utils.InferenceResponse(output_tensors=tensors, error=pb_utils.TritonError(message, code))
+        self._responses.put((sender, response, FINAL))
 
     def _send_loop(self) -> None:
         while True:

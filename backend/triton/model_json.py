@@ -49,7 +49,11 @@ def parse_model_json(values: dict) -> ModelJson:
     ours = {f.name for f in fields(EngineConfig)}
     engine_args, problems = {}, []
     for key, value in values.items():
-        if key in ours:
+        if key == "enable_lora" and isinstance(value, str):  # vllm_backend's samples write "true"
+            if value.lower() not in ("true", "false"):
+                problems.append(f"enable_lora={value!r} (true or false)")
+            engine_args[key] = value.lower() == "true"
+        elif key in ours:
             engine_args[key] = DTYPE_ALIASES.get(value, value) if key == "dtype" else value
         elif key in ONLY:
             if value != ONLY[key]:
