@@ -24,6 +24,8 @@ from npu_llm_kernels.npu_quant import (  # noqa: F401  (W8A8, W8A16)
 )
 from npu_llm_kernels.timing import scope
 from npu_llm_kernels.torch_ref import linear, pack_linear_weight, silu_and_mul  # noqa: F401  (plain torch on the NPU)
+# LoRA's shrink and expand as torch matmuls: vllm-ascend's punica ops are AscendC kernels of its own, not torch_npu's
+from npu_llm_kernels.torch_ref import lora_add, pack_lora_weights  # noqa: F401
 from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts
 
 BLOCK_SIZE = 128

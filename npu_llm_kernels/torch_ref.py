@@ -22,6 +22,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def pack_lora_weights(shrink: torch.Tensor, expand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LoRA layer's shrink A [w, K] and expand B [N, w] in lora_add's layout: A, and B^T [w, N]."""
+    return shrink.contiguous(), expand.t().contiguous()
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, segments: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+    """Batched LoRA (vLLM's punica SGMV): for each segment (start, end, shrink, expand_t) of rows sharing an adapter,
+    y[start:end] += x[start:end] shrink^T expand_t, in place (weights as pack_lora_weights lays them out)."""
+    for start, end, shrink, expand_t in segments:
+        y[start:end] += (x[start:end] @ shrink.t()) @ expand_t
+
+
 # compressed-tensors' symmetric int8 range is [-128, 127], and its scale maps absmax to half of it: 255 / 2.
 INT8_HALF_RANGE = 127.5
 

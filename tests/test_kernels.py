@@ -245,3 +245,24 @@ def test_cpu_rotary_refuses_positions_outside_its_table(cpu_level):
     q, k = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
     with pytest.raises(RuntimeError, match="outside cos_sin_cache"):
         cpu.rotary_embedding(torch.tensor([0, 300]), q, k, torch.randn(300, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_lora_add_matches_torch_ref(dtype, cpu_level):
+    """csrc/lora_cpu.cpp against torch_ref.lora_add (in fp32: the kernel's math), segments of 1 to 9 rows (whole and
+    partial blocks of four), adapters of different widths, rows no segment names left alone; widths and lengths that
+    leave partial vectors."""
+    torch.manual_seed(0)
+    k, n, rows = 100, 75, 30
+    x, y = torch.randn(rows, k).to(dtype), torch.randn(rows, n).to(dtype)
+    adapters = [(torch.randn(w, k) / 10, torch.randn(n, w) / 10) for w in (3, 16, 48)]
+    bounds = [(0, 1, 0), (1, 10, 2), (12, 19, 1), (19, 23, 0), (23, 30, 2)]  # rows 10-11: the base model's
+    ours, reference = y.clone(), y.float()
+    cpu.lora_add(ours, x, [(s, e, *cpu.pack_lora_weights(*adapters[a])) for s, e, a in bounds])
+    torch_ref.lora_add(reference, x.float(), [(s, e, *torch_ref.pack_lora_weights(*adapters[a])) for s, e, a in bounds])
+    assert torch.equal(ours[10:12], y[10:12])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(ours, reference.to(dtype), **tol)
+    if cpu.compiled() is not None:  # (the extension's own checks: a bad call is an error, not a crash)
+        with pytest.raises(RuntimeError, match="segment rows out of range"):
+            cpu.lora_add(ours, x, [(20, 31, *cpu.pack_lora_weights(*adapters[0]))])

@@ -46,6 +46,7 @@ ROWS = {
     "MoE dispatch": ("moe.dispatch",),
     "MoE experts": ("moe.experts",),
     "MoE combine": ("moe.combine",),
+    "LoRA adapters": ("lora",),
     "sampler": ("sample",),
     "scheduler, Python bookkeeping": ("schedule", "prepare", "step"),
     "detokenization": ("detokenize",),

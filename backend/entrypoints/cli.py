@@ -117,6 +117,13 @@ def _cmd_bench_moe(args) -> int:
     return 0
 
 
+def _cmd_bench_lora(args) -> int:
+    from backend.entrypoints.bench.lora import run_lora_bench
+
+    run_lora_bench(args)
+    return 0
+
+
 def _cmd_bench_serving(args) -> int:
     if args.disaggregate:
         from backend.entrypoints.bench.disaggregated import run_disaggregated_bench
@@ -253,6 +260,18 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--profile", dest="profile_dir", metavar="DIR",
                             help="profile the timed run: a trace and a per-step breakdown into DIR")
     throughput.set_defaults(func=_cmd_bench)
+    lora = kinds.add_parser("lora", help="output tokens/s with LoRA adapters spread over the requests vs. the base "
+                                         "model alone")
+    EngineConfig.add_cli_args(lora)
+    lora.add_argument("--num-prompts", type=int, default=64)
+    lora.add_argument("--input-len", default="64:512", help="N or MIN:MAX (uniform)")
+    lora.add_argument("--output-len", type=int, default=128)
+    lora.add_argument("--adapters", type=int, default=4, help="random adapters, spread round-robin over the prompts")
+    lora.add_argument("--rank", type=int, default=16)
+    lora.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"])
+    lora.add_argument("--repeats", type=int, default=2, help="base and LoRA runs, interleaved")
+    lora.set_defaults(func=_cmd_bench_lora)
     moe = kinds.add_parser("moe", help="one MoE layer's experts: the fused CPU kernel vs. the per-expert loop")
     moe.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     moe.add_argument("--experts", type=int, default=64)

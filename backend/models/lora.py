@@ -3,67 +3,60 @@ different adapters and of the base model, as vLLM's punica kernels do (SGMV: gro
 
 The runner orders a step's sequences so that each adapter's rows are contiguous (decodes first, then prefills, each
 group sorted by slot), and hands the layers the step's segments: (slot, first row, end row). A layer then adds, per
-segment, `x[rows] @ A_slot^T @ B_slot^T` to its output: one shrink and one expand, on views, with the adapter's
-scale folded into B and a fused layer's parts packed into one of each (backend/models/lora_adapter.py). Rows of the
-base model are in no segment and pay nothing. Under tensor parallelism a row-parallel layer adds its partial
-product before the all-reduce, so the sum carries the adapter once.
+segment, `x[rows] @ A^T @ B^T` to its output: one shrink and one expand, on views, with the adapter's scale folded
+into B and a fused layer's parts packed into one of each (backend/models/lora_adapter.py). Rows of the base model are
+in no segment and pay nothing. Under tensor parallelism a row-parallel layer adds its partial product before the
+all-reduce, so the sum carries the adapter once.
 
-A slot holds its adapter's A^T [in, w] and B^T [w, out] in the first w = parts x rank columns / rows of tensors
-sized for max_lora_rank, so an adapter of a smaller rank costs only its own width.
+The shrink and expand are the platform's `lora_add` (npu_llm_kernels): on the CPU one call of a C++ kernel per layer
+for all the step's segments (two library GEMMs per segment cost 50-100 us each there, whatever their size: a decode
+step of four adapters took twice the base model's time; docs/lora.md), on CUDA and the NPU torch's matmuls (vllm-ascend's
+punica ops are AscendC kernels of its own, not torch_npu's).
 """
 from __future__ import annotations
 
 import torch
 
 from backend.models.lora_adapter import TARGET_LAYER, PackedLoRA
-
-# How many checkpoint projections each fused layer stacks (each may carry its own A and B).
-PARTS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}
+from npu_llm_kernels.timing import scope
 
 Segment = tuple[int, int, int]  # (slot, first row, end row)
 
 
 class LoRASlots:
-    """One Linear's adapters, slot by slot, and the segments of the step being run (shared by all layers)."""
+    """One Linear's adapters, slot by slot (in the kernels' layout), and the step's segments (shared by all layers)."""
 
-    def __init__(self, linear, max_loras: int, max_width: int, step: "LoRALayers"):
-        weight = linear.weight
-        self.a_t = torch.zeros(max_loras, linear.in_features, max_width, dtype=step.dtype, device=weight.device)
-        self.b_t = torch.zeros(max_loras, max_width, linear.out_features, dtype=step.dtype, device=weight.device)
-        self.widths = [0] * max_loras  # 0: the slot's adapter leaves this layer alone
+    def __init__(self, linear, max_loras: int, step: "LoRALayers"):
+        self.ops, self.device = linear.ops, linear.weight.device
+        self.weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_loras  # None: left alone
         self.step = step
 
     def load(self, slot: int, packed: PackedLoRA | None) -> None:
-        width = 0 if packed is None else packed.a_t.shape[1]
-        if width:
-            self.a_t[slot, :, :width].copy_(packed.a_t)
-            self.b_t[slot, :width].copy_(packed.b_t)
-        self.widths[slot] = width
+        self.weights[slot] = None if packed is None else \
+            self.ops.pack_lora_weights(packed.a.to(self.device), packed.b.to(self.device))
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y (the base layer's output for x) plus each segment's adapter, in place."""
-        for slot, start, end in self.step.segments:
-            width = self.widths[slot]
-            if width:
-                shrunk = x[start:end] @ self.a_t[slot, :, :width]
-                y[start:end].addmm_(shrunk, self.b_t[slot, :width])
+        segments = [(start, end, *self.weights[slot]) for slot, start, end in self.step.segments
+                    if self.weights[slot] is not None]
+        if segments:
+            with scope("lora"):
+                self.ops.lora_add(y, x, segments)
         return y
 
 
 class LoRALayers:
     """The model's adapter-capable layers, each given slots; what the runner loads slots and sets segments through."""
 
-    def __init__(self, model, max_loras: int, max_rank: int):
+    def __init__(self, model, max_loras: int):
         if getattr(model, "latent_kv", False):
             raise ValueError("enable_lora: latent attention (DeepSeek's MLA) takes no adapters yet")
-        self.dtype = model.dtype
         self.max_loras = max_loras
         self.segments: list[Segment] = []
         self.layers: dict[str, LoRASlots] = {}
         for name, module in model.named_modules():
             if TARGET_LAYER.fullmatch(name):
-                module.lora = self.layers[name] = LoRASlots(module, max_loras, PARTS[name.rpartition(".")[2]] *
-                                                            max_rank, self)
+                module.lora = self.layers[name] = LoRASlots(module, max_loras, self)
 
     def load(self, slot: int, adapter: dict[str, PackedLoRA]) -> None:
         for name, layer in self.layers.items():

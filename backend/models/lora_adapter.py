@@ -36,10 +36,11 @@ _TENSOR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weig
 
 @dataclass
 class PackedLoRA:
-    """One fused layer's share of an adapter: the shrink A^T [in, w] and the expand (B * scale)^T [w, out]."""
+    """One fused layer's share of an adapter, as two Linear weights: the shrink A [w, in] and the expand
+    B * scale [out, w]."""
 
-    a_t: torch.Tensor
-    b_t: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
 
 
 def read_adapter(path: str | Path, model, max_rank: int, dtype: torch.dtype) -> dict[str, PackedLoRA]:
@@ -164,8 +165,7 @@ def _pack(model, layer: str, parts: list[tuple[int, torch.Tensor, torch.Tensor]]
         else [linear.out_features]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     rank = parts[0][1].shape[0]
-    b_t = torch.zeros(len(parts) * rank, linear.out_features)
+    expand = torch.zeros(linear.out_features, len(parts) * rank)
     for i, (part, _, b) in enumerate(parts):
-        b_t[i * rank : (i + 1) * rank, offsets[part] : offsets[part] + sizes[part]] = b.t()
-    a_t = torch.cat([a for _, a, _ in parts]).t()
-    return PackedLoRA(a_t.to(dtype).contiguous(), b_t.to(dtype))
+        expand[offsets[part] : offsets[part] + sizes[part], i * rank : (i + 1) * rank] = b
+    return PackedLoRA(torch.cat([a for _, a, _ in parts]).to(dtype), expand.to(dtype))

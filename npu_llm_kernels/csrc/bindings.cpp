@@ -32,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, fused");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, fused; returns (normed, summed)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [.., gate | up], fused");
+  m.def("lora_add", &lora_add, "batched LoRA: each segment's rows plus x A^T B^T, in place");
   m.def("linear_bf16_weights", &linear_bf16_weights, "a few rows times bf16 weights, in fp32 (AVX2)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.def("has_linear_bf16_weights", &has_linear_bf16_weights, "whether this build has linear_bf16_weights");

@@ -35,6 +35,10 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
                                          const at::Tensor& cos_sin_cache);
 // x [.., K] (at most 4 rows) times bf16 weight [N, K]^T (+ bias), in fp32, rounded to bf16 once; AVX2 builds only
 // (has_linear_bf16_weights says whether this build has it).
+// Batched LoRA (csrc/lora_cpu.cpp): y[start:end] += (x[start:end] shrink^T) expand_t for each segment (bounds holds
+// start, end pairs), in place; x [T, K] and y [T, N] fp32 or bf16, shrink [w, K] and expand_t [w, N] fp32.
+void lora_add(at::Tensor& y, const at::Tensor& x, const std::vector<int64_t>& bounds,
+              const std::vector<at::Tensor>& shrinks, const std::vector<at::Tensor>& expands);
 at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 bool has_linear_bf16_weights();
 // W8A8: x [.., K] (fp32 or bf16; K a multiple of 16) quantized to int8 per row (or with input_scale [1] and
