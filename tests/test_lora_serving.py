@@ -145,3 +145,32 @@ def test_triton_reports_the_adapters_in_vllm_lora_requests_info(lora_server):
     series = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert series and all('max_lora="2"' in line for line in series)
     assert any('running_lora_adapters="sheep"' in line for line in series)
+
+
+def test_the_chat_ui_picks_an_adapter(lora_gateway, lora_server, tmp_path_factory):
+    """The model picker lists the base model and its adapters; a reply from the adapter chosen is that adapter's
+    (the gateway's own answer to the same chat, which differs from the base model's)."""
+    from tests.ui_browser import ask, chromium_page, open_ui, reply_done, running_ui, set_field
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+
+    def answer(model):
+        body = {"model": model, "messages": messages, "max_tokens": 12, "temperature": 0}
+        return lora_gateway.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    expected, base = answer("sheep"), answer("smollm2-135m-instruct")
+    assert expected != base
+    with running_ui(str(lora_gateway.base_url), lora_server.metrics_url, tmp_path_factory.mktemp("lora-ui")) as url, \
+            chromium_page() as page:
+        open_ui(page, url)
+        page.locator("#model input").click()
+        options = page.locator("[role=option]")
+        options.first.wait_for(timeout=15000)
+        # (the chosen one is marked with a tick on a line of its own)
+        names = [o.split("\n")[-1].strip() for o in options.all_inner_texts()]
+        assert names == ["smollm2-135m-instruct", "doll", "sheep"]
+        options.nth(2).click()
+        set_field(page, "#temperature input[type=number]", "0")
+        set_field(page, "#max-tokens input[type=number]", "12")
+        ask(page, messages[0]["content"])
+        assert reply_done(page).strip() == expected.strip()

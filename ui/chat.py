@@ -137,6 +137,14 @@ def build_app(settings: UISettings) -> gr.Blocks:
         session.stats = stats
         yield [SKIP, asked + reply, stats, SKIP, *saved(session, asked + reply, query, values)]
 
+    async def models(chosen):
+        """The model picker's choices; the base model chosen unless the conversation chose one."""
+        try:
+            names = await client.models()
+        except Exception:  # (the gateway is not there yet: the first reply says so, with what to do)
+            return gr.skip()
+        return gr.Dropdown(choices=names, value=chosen or names[0])
+
     # What shows the store's current conversation -----------------------------------------------------------------
     def sidebar(store, query=""):
         """The conversation list: the titles that hold the query, newest first, the current one chosen."""
@@ -258,7 +266,8 @@ def build_app(settings: UISettings) -> gr.Blocks:
         name = conversations.title(conversations.current(session.store))
         try:
             text = (conversations.as_markdown(name, history, chosen) if kind == "md" else json.dumps(
-                chat_request(await client.model(), history, chosen), indent=2, ensure_ascii=False) + "\n")
+                chat_request(chosen["model"] or await client.model(), history, chosen), indent=2,
+                ensure_ascii=False) + "\n")
         except (OpenAIError, OSError, ValueError) as e:
             raise gr.Error(client.error_text(e)) from None
         path = Path(tempfile.mkdtemp(dir=exports)) / f"{_file_name(name)}.{kind}"
@@ -319,9 +328,12 @@ def build_app(settings: UISettings) -> gr.Blocks:
                 tools = gr.Textbox(label="Tools (OpenAI tools list, optional)", lines=3, elem_id="tools",
                                    placeholder='[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
                 tool_choice = gr.Radio(["auto", "required"], value="auto", label="Tool choice", elem_id="tool-choice")
+                # the base model or one of its LoRA adapters (filled in from the gateway's /v1/models once loaded)
+                model = gr.Dropdown([], value=None, label="Model (base or LoRA adapter)", allow_custom_value=True,
+                                    elem_id="model")
         timer = gr.Timer(REFRESH_S, active=False)  # (started once the conversations are restored)
 
-        settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice]
+        settings_inputs = [system, temperature, top_p, max_tokens, seed, json_mode, schema, tools, tool_choice, model]
         assert len(settings_inputs) == len(SETTINGS)
         kept = [stored, conversation_list, title_box]  # what saved() answers
         screen = [chatbot, title_box, stats, regenerate, *settings_inputs]  # what on_screen() answers
@@ -362,7 +374,7 @@ def build_app(settings: UISettings) -> gr.Blocks:
         timer.tick(metrics.refresh, None, refresh)
         # the panel fills in once the conversations are back (which is how a test knows the page is ready)
         app.load(restore, [session, stored, search], [session, conversation_list, *screen]).then(
-            lambda: (*metrics.refresh(), gr.Timer(active=True)), None, [*refresh, timer])
+            models, model, model).then(lambda: (*metrics.refresh(), gr.Timer(active=True)), None, [*refresh, timer])
     return app
 
 

@@ -21,9 +21,14 @@ class ChatClient:
         self._model: str | None = None
 
     async def model(self) -> str:
+        """The served base model (the gateway lists it first)."""
         if self._model is None:
             self._model = (await self.client.models.list()).data[0].id
         return self._model
+
+    async def models(self) -> list[str]:
+        """What a chat can talk to: the base model, then its LoRA adapters (the gateway's /v1/models)."""
+        return [card.id for card in (await self.client.models.list()).data]
 
     async def stream_reply(self, history: list[dict], settings: dict):
         """Yields (the reply's chat messages so far, stats line) while the reply streams: the reasoning as a
@@ -32,7 +37,8 @@ class ChatClient:
         tokens = prompt_tokens = None
         calls: dict[int, dict] = {}  # the tool calls streamed so far, by index
         stream = await self.client.chat.completions.create(
-            **chat_request(await self.model(), history, settings), stream=True, stream_options={"include_usage": True})
+            **chat_request(settings.get("model") or await self.model(), history, settings), stream=True,
+            stream_options={"include_usage": True})
         try:
             async for chunk in stream:
                 if chunk.usage is not None:  # the exact counts, in the last chunk

@@ -12,7 +12,8 @@ import uuid
 from ui.messages import as_openai, text_of
 
 # the side panel's fields, in the order build_app lays them out
-SETTINGS = ("system", "temperature", "top_p", "max_tokens", "seed", "json_mode", "schema", "tools", "tool_choice")
+SETTINGS = ("system", "temperature", "top_p", "max_tokens", "seed", "json_mode", "schema", "tools", "tool_choice",
+            "model")
 UNTITLED = "New chat"
 TITLE_CHARS = 40
 
