@@ -15,7 +15,7 @@ from ui.conversations import listing
 from ui.messages import text_of
 
 pytestmark = pytest.mark.slow
-VALUES = ["", 0, 0.95, 4, -1, False, "", "", "auto"]  # the side panel's settings: greedy, 4 tokens
+VALUES = ["", 0, 0.95, 4, -1, False, "", "", "auto", None]  # the side panel's settings: greedy, 4 tokens, the base model
 
 
 def _conversation(cid: str, question: str, answer: str, updated: float) -> dict:
