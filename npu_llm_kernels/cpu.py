@@ -263,9 +263,14 @@ def _avx2_linear():
     return ext.linear_bf16_weights if ext is not None and ext.has_linear_bf16_weights() else None
 
 
+# The activations csrc/lora_cpu.cpp takes (its weights are fp32 for both).
+LORA_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack_lora_weights(shrink: torch.Tensor, expand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 for the extension's lora_add (whatever the model's dtype: the adapter is a few MB); torch_ref's layout."""
-    if _extension() is None:
+    """torch_ref's layout; in fp32 for the extension's lora_add where it takes the model's dtype (the adapter is a
+    few MB)."""
+    if _extension() is None or shrink.dtype not in LORA_KERNEL_DTYPES:
         return torch_ref.pack_lora_weights(shrink, expand)
     return torch_ref.pack_lora_weights(shrink.float(), expand.float())
 
@@ -273,7 +278,7 @@ def pack_lora_weights(shrink: torch.Tensor, expand: torch.Tensor) -> tuple[torch
 def lora_add(y: torch.Tensor, x: torch.Tensor, segments: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
     """torch_ref.lora_add, every segment in one call of csrc/lora_cpu.cpp where the extension is built."""
     ext = _extension()
-    if ext is None or not segments or segments[0][2].dtype != torch.float32:
+    if ext is None or not segments or y.dtype not in LORA_KERNEL_DTYPES or segments[0][2].dtype != torch.float32:
         return torch_ref.lora_add(y, x, segments)
     ext.lora_add(y, x.contiguous(), [b for start, end, _, _ in segments for b in (start, end)],
                  [s[2] for s in segments], [s[3] for s in segments])

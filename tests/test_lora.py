@@ -239,3 +239,35 @@ def test_tensor_parallel_adapters_equal_peft_merged(tmp_path_factory, default_mo
     for i, (name, _, prompt) in enumerate(work):
         assert results[str(i)] == served.expected(name, prompt), f"request {i} ({name or 'base'})"
     assert [again[str(i)] for i in range(2)] == [served.expected(name, p) for name, _, p in work[:2]]
+
+
+def test_adapters_on_the_npu_follow_the_cpu(fake_npu, monkeypatch, tmp_path_factory, default_model_dir):
+    """The NPU runs the adapters' shrink and expand as torch matmuls on its tensors (vllm-ascend's punica kernels
+    are its own AscendC ops, not torch_npu's): greedy in bf16 on the fake NPU against the CPU's portable path, each
+    first token among the CPU's five most likely; the adapter's tokens differ from the base model's; no block is held."""
+    served = Served(tmp_path_factory, "llama", {"full": (16, EVERYTHING, True)})
+    first, second = ({"prompt_token_ids": p} for p in _prompts(2, seed=7))
+    prompts, loras = [first, first, second, second], [served.requests["full"], None] * 2
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    args = dict(model=str(served.base), tokenizer=str(default_model_dir), dtype="bfloat16", num_kv_blocks=8,
+                enable_lora=True)
+    with LLM(device="npu", **args) as llm:
+        on_npu = [o.outputs[0] for o in llm.generate(prompts, params, loras)]
+        assert llm.engine.kv.num_free_blocks == 8
+        assert llm.engine.model.model.layers[0].self_attn.qkv_proj.lora.weights[0][0].device.type == "npu"
+    monkeypatch.setenv("NPU_LLM_CPU_KERNELS", "0")
+    with LLM(device="cpu", block_size=128, **args) as llm:
+        on_cpu = [o.outputs[0] for o in llm.generate(prompts, params, loras)]
+    for npu_out, cpu_out in zip(on_npu, on_cpu):
+        assert len(npu_out.token_ids) == 6 and npu_out.token_ids[0] in cpu_out.logprobs[0]
+    assert on_npu[0].token_ids != on_npu[1].token_ids and on_npu[2].token_ids != on_npu[3].token_ids
+
+
+def test_max_loras_counts_adapters_by_id(served, default_model_dir):
+    """A name given again with a new id (an adapter reloaded) is another adapter: with one slot, its requests wait for
+    the first's to finish, and each runs with its own weights."""
+    prompt = _prompts(1, seed=8)[0]
+    again = LoRARequest("small", 9, served.requests["full"].lora_path)  # the name of one, the weights of the other
+    engine = _engine(served, default_model_dir, max_loras=1)
+    results = _run(engine, [("small", served.requests["small"], prompt), ("full", again, prompt)])
+    assert results["0"] == served.expected("small", prompt) and results["1"] == served.expected("full", prompt)

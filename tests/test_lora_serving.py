@@ -128,6 +128,12 @@ def test_adapters_load_and_unload_at_run_time_and_bad_ones_are_refused(lora_gate
     assert missing.status_code == 404 and missing.json()["error"]["message"] == \
         "The lora adapter 'doll2' cannot be found."
     assert [m["id"] for m in lora_gateway.get("/v1/models").json()["data"]][1:] == ["doll", "sheep"]
+    # loaded again, under a new id: it serves its own weights
+    sheep_path = adapters["sheep"][0]
+    assert lora_gateway.post("/v1/load_lora_adapter", json={"lora_name": "doll2", "lora_path": sheep_path}).status_code \
+        == 200
+    assert lora_gateway.post("/v1/completions", json=body).json()["choices"][0]["text"] == adapters["sheep"][1]
+    assert lora_gateway.post("/v1/unload_lora_adapter", json={"lora_name": "doll2"}).status_code == 200
     # the server stayed up, and the others still serve
     body["model"] = "sheep"
     assert lora_gateway.post("/v1/completions", json=body).json()["choices"][0]["text"] == adapters["sheep"][1]
@@ -174,3 +180,28 @@ def test_the_chat_ui_picks_an_adapter(lora_gateway, lora_server, tmp_path_factor
         set_field(page, "#max-tokens input[type=number]", "12")
         ask(page, messages[0]["content"])
         assert reply_done(page).strip() == expected.strip()
+
+
+def test_ids_given_at_run_time_are_never_given_again():
+    from backend.triton.loras import LoRARepository
+
+    repository = LoRARepository(True, {"a": "/a", "b": "/b"})
+    first = repository.new("c", "/c")
+    repository.add(first)
+    repository.remove("c")
+    second = repository.new("c", "/c2")
+    assert [first.lora_int_id, second.lora_int_id] == [3, 4]
+    with pytest.raises(ValueError, match="The lora adapter 'a' has already been loaded."):
+        repository.new("a", "/x")
+
+
+def test_lora_modules_take_vllms_two_forms(tmp_path, monkeypatch):
+    from backend.triton.loras import parse_lora_modules
+
+    monkeypatch.chdir(tmp_path)
+    assert parse_lora_modules(["sql=loras/sql", '{"name": "chat", "path": "/loras/chat", "base_model_name": "m"}']) == \
+        {"sql": str(tmp_path / "loras" / "sql"), "chat": "/loras/chat"}
+    for bad, match in (("sql", "expected NAME=PATH or a JSON object"), ("=/x", "needs an adapter name"),
+                       ('{"name": "a", "path": "/a", "rank": 8}', "the JSON form has name, path")):
+        with pytest.raises(ValueError, match=match):
+            parse_lora_modules([bad])

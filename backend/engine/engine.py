@@ -157,16 +157,19 @@ class LLMEngine:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget a loaded adapter (requests running with it keep it until they finish: it is read again then)."""
+        """Forget a loaded adapter; whether it was loaded. Requests running with it go on: a step that needs it reads
+        its folder again, as vLLM's workers do (so the folder must stay while they run)."""
         self._check_running()
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need an engine started with enable_lora")
+        loaded = lora_int_id in self.list_loras()
         self.runner.remove_lora(lora_int_id)
-        return True
+        return loaded
 
     def list_loras(self) -> set[int]:
-        """The ids of the adapters loaded in host memory."""
-        return set() if self.runner.lora is None else set(self.runner.lora.cpu)
+        """The ids of the adapters loaded (in host memory or in a slot)."""
+        lora = self.runner.lora
+        return set() if lora is None else set(lora.cpu) | set(lora.slots)
 
     def abort_request(self, request_id: str, emit_output: bool = True) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (finish_reason "abort"), which the

@@ -21,7 +21,7 @@ class LoRAManager:
 
     def __init__(self, model, max_loras: int, max_rank: int, cpu_capacity: int):
         self.model, self.max_rank, self.cpu_capacity = model, max_rank, cpu_capacity
-        self.layers = LoRALayers(model, max_loras)
+        self.layers = LoRALayers(model, max_loras, max_rank)
         self.cpu: OrderedDict[int, dict[str, PackedLoRA]] = OrderedDict()  # lora_int_id -> packed, LRU first
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
 

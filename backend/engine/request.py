@@ -61,6 +61,11 @@ class Request:
         return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
+    def lora_int_id(self) -> int | None:
+        """The adapter's id: what the slots are kept by, and so what max_loras counts."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -147,7 +147,7 @@ class Scheduler:
         computing: set[int] = set()  # hashes of the full blocks that requests admitted in this step will fill
         # passed over for now: a grammar being compiled (vLLM's WAITING_FOR_FSM), or an adapter beyond max_loras
         passed_over: list[Request] = []
-        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        adapters = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
             if request.waiting_for_grammar or self._lora_full(request, adapters):
@@ -181,15 +181,16 @@ class Scheduler:
             self._run(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-            if request.lora_name is not None:
-                adapters.add(request.lora_name)
+            if request.lora_int_id is not None:
+                adapters.add(request.lora_int_id)
         self.waiting.extendleft(reversed(passed_over))
         return scheduled
 
-    def _lora_full(self, request: Request, adapters: set[str]) -> bool:
-        """Its adapter would be one more than max_loras among the running requests (as vLLM's scheduler skips it)."""
-        return self.max_loras is not None and request.lora_name is not None and \
-            request.lora_name not in adapters and len(adapters) >= self.max_loras
+    def _lora_full(self, request: Request, adapters: set[int]) -> bool:
+        """Its adapter would be one more than max_loras among the running requests (as vLLM's scheduler skips it;
+        by id, as the slots are kept)."""
+        return self.max_loras is not None and request.lora_int_id is not None and \
+            request.lora_int_id not in adapters and len(adapters) >= self.max_loras
 
     def _run(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

@@ -54,11 +54,13 @@ def start(config: EngineConfig, platform: Platform, model_dir: Path, tp, workers
     )
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = eos_token_ids(model_dir, model_config, tokenizer)
-    # the scratch block only; with enable_lora, the adapters' slots (counted with the weights)
+    # the scratch block only; with enable_lora, the adapters' slots (filled as steps need them: set aside below)
     runner = ModelRunner(model, 0, config.block_size, platform.device, LoRAManager.for_config(model, config))
     if workers is not None:
         runner = ParallelRunner(runner, workers)
     weights = memory.allocated(platform) - in_use_before  # (and the rope table and the scratch block)
+    if runner.lora is not None:
+        weights += runner.lora.layers.slot_bytes(model)
     split = None
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks

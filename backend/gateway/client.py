@@ -27,11 +27,7 @@ class TritonUnavailable(RuntimeError):
 
 
 class InvalidRequest(ValueError):
-    """The engine rejected the request's content (or the adapter a request or an admin action names: not found)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+    """The engine rejected the request's content (or the adapter it names)."""
 
 
 @dataclass

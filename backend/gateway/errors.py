@@ -33,7 +33,7 @@ class ApiError(Exception):
         if isinstance(error, ApiError):
             return error
         if isinstance(error, InvalidRequest):
-            return cls(error.status, str(error))
+            return cls(400, str(error))
         if isinstance(error, TritonUnavailable):
             return cls(503, str(error), "service_unavailable")
         log.error("internal error", exc_info=error)

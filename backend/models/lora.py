@@ -21,6 +21,8 @@ from backend.models.lora_adapter import TARGET_LAYER, PackedLoRA
 from npu_llm_kernels.timing import scope
 
 Segment = tuple[int, int, int]  # (slot, first row, end row)
+# How many checkpoint projections each fused layer stacks (each may carry its own A and B).
+PARTS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}
 
 
 class LoRASlots:
@@ -48,15 +50,25 @@ class LoRASlots:
 class LoRALayers:
     """The model's adapter-capable layers, each given slots; what the runner loads slots and sets segments through."""
 
-    def __init__(self, model, max_loras: int):
+    def __init__(self, model, max_loras: int, max_rank: int):
         if getattr(model, "latent_kv", False):
             raise ValueError("enable_lora: latent attention (DeepSeek's MLA) takes no adapters yet")
-        self.max_loras = max_loras
+        self.max_loras, self.max_rank, self.itemsize = max_loras, max_rank, model.dtype.itemsize
         self.segments: list[Segment] = []
         self.layers: dict[str, LoRASlots] = {}
         for name, module in model.named_modules():
             if TARGET_LAYER.fullmatch(name):
                 module.lora = self.layers[name] = LoRASlots(module, max_loras, self)
+
+    def slot_bytes(self, model) -> int:
+        """What max_loras adapters of max_lora_rank on every layer take on the device, at most (each slot is filled
+        when a step first needs it: an accelerator's memory split sets this aside for them)."""
+        total = 0
+        for name in self.layers:
+            linear = model.get_submodule(name)
+            width = PARTS[name.rpartition(".")[2]] * self.max_rank
+            total += width * (linear.in_features + linear.out_features)
+        return total * self.max_loras * self.itemsize
 
     def load(self, slot: int, adapter: dict[str, PackedLoRA]) -> None:
         for name, layer in self.layers.items():

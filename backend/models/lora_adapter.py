@@ -132,7 +132,7 @@ def _submodule(model, name: str):
         return None
 
 
-def _checkpoint_shape(config, projection: str) -> tuple[int, int]:
+def checkpoint_shape(config, projection: str) -> tuple[int, int]:
     """(out, in) of the base model's checkpoint weight of a projection."""
     hidden, head_dim, inter = config.hidden_size, head_dim_of(config), config.intermediate_size
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -142,7 +142,7 @@ def _checkpoint_shape(config, projection: str) -> tuple[int, int]:
 
 def _checked_and_sharded(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, path: Path):
     """A [r, in] and B [out, r] checked against the base weight's shape, then this rank's shards of them."""
-    out_features, in_features = _checkpoint_shape(model.config, module.rpartition(".")[2])
+    out_features, in_features = checkpoint_shape(model.config, module.rpartition(".")[2])
     for side, tensor, expected in (("A", a, (rank, in_features)), ("B", b, (out_features, rank))):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"LoRA adapter {path}: {module}.lora_{side} has shape {tuple(tensor.shape)}, this "

@@ -63,6 +63,9 @@ class LoRARepository:
         self.enabled = enabled
         # vllm_backend's ids: an adapter's place in multi_lora.json, from 1
         self.adapters = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(adapters.items(), start=1)}
+        # ids given at run time only go up (as vLLM's counter): an id is never another adapter's, whose running
+        # requests would otherwise read the new one's weights
+        self._next_id = len(adapters) + 1
 
     @classmethod
     def for_model(cls, enabled: bool, version_dir: str | Path) -> "LoRARepository":
@@ -101,7 +104,8 @@ class LoRARepository:
             raise LoRARefused(LORA_NOT_ENABLED)
         if name in self.adapters:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-        return LoRARequest(name, max((a.lora_int_id for a in self.adapters.values()), default=0) + 1, path)
+        self._next_id += 1
+        return LoRARequest(name, self._next_id - 1, path)
 
     def add(self, lora: LoRARequest) -> None:
         self.adapters[lora.lora_name] = lora

@@ -32,6 +32,7 @@ from backend.triton.contract import (
     ENGINE_UNAVAILABLE,
     INPUTS,
     INVALID_REQUEST,
+    LORA_ACTIONS,
     OUTPUTS,
     ParsedRequest,
     admin_action,
@@ -133,9 +134,13 @@ class TritonPythonModel:
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._sender_thread = threading.Thread(target=self._send_loop, name="npu-llm-sender", daemon=True)
         self._sender_thread.start()
-        # every adapter of multi_lora.json read and checked now: a bad one fails the load, named
-        for lora in self.loras.adapters.values():
-            asyncio.run_coroutine_threadsafe(self.engine.add_lora(lora), self._loop).result()
+        self._lora_updates = asyncio.Lock()  # one run-time load or unload at a time (on the requests' loop)
+        try:  # every adapter of multi_lora.json read and checked now: a bad one fails the load, named
+            for lora in self.loras.adapters.values():
+                asyncio.run_coroutine_threadsafe(self.engine.add_lora(lora), self._loop).result()
+        except BaseException:
+            self.engine.shutdown()
+            raise
 
     @staticmethod
     def _engine_config(config, index: int, count: int):
@@ -232,15 +237,9 @@ class TritonPythonModel:
             if action == "engine_info":
                 result = {"max_model_len": self.engine.config.max_model_len, "enable_lora": self.loras.enabled,
                           "lora_adapters": self.loras.listing()}
-            elif action == "load_lora_adapter":
-                lora = self.loras.new(str(parameters.get("lora_name", "")), str(parameters.get("lora_path", "")))
-                await self.engine.add_lora(lora)  # (read and checked before anyone can name it)
-                self.loras.add(lora)
-                result = {"loaded": lora.lora_name}
-            elif action == "unload_lora_adapter":
-                lora = self.loras.remove(str(parameters.get("lora_name", "")))
-                await self.engine.remove_lora(lora.lora_int_id)
-                result = {"unloaded": lora.lora_name}
+            elif action in LORA_ACTIONS:
+                result = await self._update_loras(action, str(parameters.get("lora_name", "")),
+                                                  str(parameters.get("lora_path", "")))
             elif action == "start_profile":
                 await self.engine.start_profile()
                 result = {"profiling": True}
@@ -256,6 +255,18 @@ class TritonPythonModel:
         if action != "engine_info":  # (a lookup, not worth a line)
             self.logger.log_info(f"[npu-llm] {action} done")
         self._queue_response(sender, {"text_output": np.array([json.dumps(result).encode()], dtype=np.object_)}, True)
+
+    async def _update_loras(self, action: str, name: str, path: str) -> dict:
+        """load_lora_adapter (read and checked before anyone can name it) or unload_lora_adapter."""
+        async with self._lora_updates:
+            if action == "load_lora_adapter":
+                lora = self.loras.new(name, path)
+                await self.engine.add_lora(lora)
+                self.loras.add(lora)
+                return {"loaded": name}
+            lora = self.loras.remove(name)
+            await self.engine.remove_lora(lora.lora_int_id)
+            return {"unloaded": name}
 
     def _record(self, output, parsed: ParsedRequest, gaps: InterTokenTimes, cancelled: bool = False) -> None:
         """The request's figures for vLLM's per-request metrics (phases as vLLM splits them)."""

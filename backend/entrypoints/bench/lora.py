@@ -17,24 +17,18 @@ from backend.engine.llm import LLM
 from backend.engine.lora_request import LoRARequest
 from backend.engine.sampling_params import SamplingParams
 from backend.entrypoints.bench.throughput import random_prompts
-from backend.models.architectures import head_dim_of
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from backend.models.lora_adapter import checkpoint_shape
 
 
 def write_random_adapter(config, path: Path, rank: int, targets: tuple[str, ...], seed: int) -> Path:
     """A PEFT LoRA adapter of random weights for a model of `config`, every layer's `targets`, at `path`."""
     generator = torch.Generator().manual_seed(seed)
-    hidden, head_dim, inter = config.hidden_size, head_dim_of(config), config.intermediate_size
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     tensors = {}
     for layer in range(config.num_hidden_layers):
         for target in targets:
             part = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{target}"
-            out_features, in_features = shapes[target]
+            out_features, in_features = checkpoint_shape(config, target)
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) / in_features**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) / rank
     path.mkdir(parents=True, exist_ok=True)
