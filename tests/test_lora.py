@@ -271,3 +271,9 @@ def test_max_loras_counts_adapters_by_id(served, default_model_dir):
     engine = _engine(served, default_model_dir, max_loras=1)
     results = _run(engine, [("small", served.requests["small"], prompt), ("full", again, prompt)])
     assert results["0"] == served.expected("small", prompt) and results["1"] == served.expected("full", prompt)
+
+
+def test_an_adapter_config_that_is_not_a_json_object_is_refused_by_name(served, default_model_dir, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("[8, 16]")
+    with pytest.raises(ValueError, match="adapter_config.json must be a JSON object, got list"):
+        _engine(served, default_model_dir).add_lora(LoRARequest("list", 3, str(tmp_path)))

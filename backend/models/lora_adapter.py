@@ -14,7 +14,6 @@ here (experts, latent attention), and shapes that do not match the model.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from backend.config.json_object import json_object_file
 from backend.models.architectures import head_dim_of
 
 CONFIG_FILE = "adapter_config.json"
@@ -91,10 +91,7 @@ def _adapter_config(path: Path) -> dict:
     file = path / CONFIG_FILE
     if not file.is_file():
         raise ValueError(f"LoRA adapter {path}: no {CONFIG_FILE} (a PEFT adapter folder holds it)")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"LoRA adapter {path}: {CONFIG_FILE} is not valid JSON: {e}") from None
+    config = json_object_file(file, f"LoRA adapter {path}: {CONFIG_FILE}")
     refusals = {
         "peft_type": (lambda v: v not in (None, "LORA"), "only LoRA adapters are served"),
         "use_dora": (bool, "DoRA adapters are not served"),

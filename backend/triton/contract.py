@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.config.control_key import CONTROL_KEY_ENV
+from backend.config.json_object import json_object
 from backend.engine.outputs import RequestOutput
 
 from backend.engine.sampling_params import SamplingParams
@@ -111,7 +112,7 @@ def sampling_parameters_json(params: SamplingParams, lora_name: str | None = Non
 
 def request_parameters(raw: str | None) -> dict:
     """Triton's request parameters (its JSON text), decoded once for everything that reads them."""
-    return _json_object(raw or "{}", "request parameters")
+    return json_object(raw or "{}", "request parameters")
 
 
 class AdminRefused(ValueError):
@@ -154,7 +155,7 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict) -> Par
     if raw is None:
         values = dict(parameters)
     else:
-        values = _json_object(raw, "sampling_parameters")
+        values = json_object(raw, "sampling_parameters")
         if KV_TRANSFER_PARAMETER in parameters:
             raise ValueError(f"{KV_TRANSFER_PARAMETER} belong inside the sampling_parameters input when it is given")
 
@@ -180,18 +181,6 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict) -> Par
         raise ValueError(f"invalid sampling parameters: {e}") from None
     return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids,
                          lora_name=lora_name, **flags)
-
-
-def _json_object(raw: str | bytes, source: str) -> dict:
-    try:
-        values = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{source} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ValueError(f"{source} is nested too deeply") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{source} must be a JSON object, got {type(values).__name__}")
-    return values
 
 
 # guided_decoding.backend values vllm_backend lets through (it maps them all to xgrammar, as we do)

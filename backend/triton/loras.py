@@ -2,12 +2,13 @@
 `1/multi_lora.json` beside it naming each adapter's folder (`{"name": "/path"}`; a relative path is read from
 tritonserver's working directory, as vllm_backend reads it). A request names its adapter with `lora_name`; the
 refusals carry vllm_backend's own texts. Adapters added at run time (the gateway's /v1/load_lora_adapter) join them
-under the next free id."""
+under an id never given before."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from backend.config.json_object import json_object_file
 from backend.engine.lora_request import LoRARequest
 
 MULTI_LORA_FILE = "multi_lora.json"
@@ -39,7 +40,7 @@ def with_lora_modules(version_dir: Path, adapters: dict[str, str]) -> None:
     """Write a run copy's multi_lora.json: the repository's own adapters (if any; its file may be a link to the
     user's) with `adapters` over them."""
     path = version_dir / MULTI_LORA_FILE
-    own = json.loads(path.read_text()) if path.exists() else {}
+    own = json_object_file(path, str(path)) if path.exists() else {}
     path.unlink(missing_ok=True)
     path.write_text(json.dumps({**own, **adapters}, indent=2))
 
@@ -75,12 +76,8 @@ class LoRARepository:
         path = Path(version_dir) / MULTI_LORA_FILE
         if not path.is_file():
             raise FileNotFoundError(f"Triton backend cannot find {path}.")
-        try:
-            adapters = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(adapters, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
-                                                     for k, v in adapters.items()):
+        adapters = json_object_file(path, str(path))
+        if not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in adapters.items()):
             raise ValueError(f"{path} must map each adapter's name to its folder, e.g. {{\"sql\": \"/loras/sql\"}}")
         return cls(True, adapters)
 
