@@ -39,8 +39,8 @@ def test_what_cannot_be_honoured_fails_the_load_by_name():
         parse_model_json({"model": "m", "disable_log_stats": "false"})
     with pytest.raises(ValueError, match="max_num_seqs"):  # our own checks still apply
         parse_model_json({"model": "m", "max_num_seqs": 0})
-    with pytest.raises(ValueError, match="speculative_config.*method must be one of deepseek_mtp, mtp"):
-        parse_model_json({"model": "m", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+    with pytest.raises(ValueError, match="speculative_config.*method 'suffix': must be one of ngram, draft_model"):
+        parse_model_json({"model": "m", "speculative_config": {"method": "suffix", "num_speculative_tokens": 3}})
 
 
 def test_data_parallel_engines_and_their_instances():

@@ -8,7 +8,10 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pydantic import ValidationError
+
 from backend.config.kv_transfer import KVTransferConfig
+from backend.config.speculative import SpeculativeConfig, describe_errors
 
 # (No torch here, and nothing from the rest of backend: the CLI's --help and the gateway read the config without
 # loading torch, and every floor of the library may import it.)
@@ -18,7 +21,6 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # auto: npu > cuda > cpu (backe
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NPU_BLOCK_SIZE = 128  # the torch_npu paged-attention kernels require it
 QUANTIZATION_CHOICES = ("compressed-tensors", "ascend")  # vLLM's names; which are served: backend/models/quantization.py
-MTP_METHODS = ("deepseek_mtp", "mtp")  # vLLM's names for drafting with the checkpoint's MTP layer
 OVERRIDE_DEST = "engine_flag_"  # where a command's engine flags given as overrides land, apart from its own flags
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
@@ -49,8 +51,8 @@ class EngineConfig:
     # MoE models: each rank holds num_experts / tensor_parallel_size whole experts, not a share of every expert
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"  # how the other ranks start: local processes, or "ray" actors
-    # vLLM's: {"method": "deepseek_mtp" (or "mtp"), "num_speculative_tokens": 1} drafts a token a step with the
-    # checkpoint's multi-token-prediction layer (docs/models.md); None: no speculative decoding
+    # vLLM's: e.g. {"method": "ngram", "num_speculative_tokens": 4}, a draft_model, or the checkpoint's MTP layer
+    # (backend/config/speculative.py, docs/speculative-decoding.md); None: no speculative decoding
     speculative_config: dict | None = None
     # vLLM's: None reads the checkpoint's own quantization_config (compressed-tensors W8A8 is served,
     # docs/quantization.md); "compressed-tensors" insists on it; "ascend" reads an msModelSlim checkpoint
@@ -69,16 +71,21 @@ class EngineConfig:
         self._check()
 
     def _check_speculative(self, fail) -> None:
-        spec = self.speculative_config
-        if not isinstance(spec, dict) or set(spec) - {"method", "num_speculative_tokens"}:
-            fail("speculative_config", "must be a dict of method and num_speculative_tokens")
-        if spec.get("method") not in MTP_METHODS:
-            fail("speculative_config", f"method must be one of {', '.join(MTP_METHODS)} (the checkpoint's "
-                                       "multi-token-prediction layer drafts); other drafters are not supported")
-        if spec.get("num_speculative_tokens", 1) != 1:
-            fail("speculative_config", "num_speculative_tokens must be 1 (one MTP layer drafts one token)")
-        if self.tensor_parallel_size > 1:
-            fail("speculative_config", "speculative decoding runs on one rank for now (tensor_parallel_size=1)")
+        """Parsed once (vLLM's defaults filled in) and stored back as a plain dict."""
+        if not isinstance(self.speculative_config, dict):
+            fail("speculative_config", "must be a dict of vLLM's keys (method, num_speculative_tokens, ...)")
+        try:
+            spec = SpeculativeConfig.model_validate(self.speculative_config)
+        except ValidationError as e:
+            fail("speculative_config", describe_errors(e))
+        self.speculative_config = spec.model_dump(exclude_none=True)
+        if self.tensor_parallel_size > 1 and spec.method != "ngram":
+            fail("speculative_config", f"method {spec.method!r} drafts on one rank for now (tensor_parallel_size=1); "
+                                       "ngram runs with any")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.model_validate(self.speculative_config)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
@@ -130,7 +137,7 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             fail("max_cpu_loras", f"must be at least max_loras ({self.max_loras})")
         if self.enable_lora and self.speculative_config is not None:
-            fail("enable_lora", "the MTP drafter takes no adapters: leave speculative_config unset")
+            fail("enable_lora", "drafts are not verified under adapters yet: leave speculative_config unset")
         if self.enable_lora and self.kv_transfer_config is not None:
             fail("enable_lora", "a prefill moved between engines carries no adapter: leave kv_transfer_config unset")
 
@@ -148,7 +155,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             fail("kv_transfer_config", "disaggregated prefill runs on one rank a side for now (tensor_parallel_size=1)")
         if self.speculative_config is not None:
-            fail("kv_transfer_config", "the MTP drafter's KV is not transferred: leave speculative_config unset")
+            fail("kv_transfer_config", "a drafter's state is not transferred: leave speculative_config unset")
 
     @property
     def kv_transfer(self) -> KVTransferConfig | None:

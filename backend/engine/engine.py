@@ -31,7 +31,7 @@ from backend.engine.outputs import RequestOutput
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ScheduledRequest, Scheduler
-from backend.engine.spec_decode import MTPDrafter
+from backend.engine.spec_decode import make_drafter
 from backend.engine.stats import EngineInfo, EngineStats, collect_stats
 from backend.engine.step_runner import RunnerOutput, StepRunner
 from backend.engine.structured_outputs import StructuredOutputs
@@ -72,15 +72,17 @@ class LLMEngine:
         # engine is collected or the interpreter exits. The finalizer holds those resources, never the engine
         # itself (which it would then keep alive).
         runner = self.runner.runner if workers is not None else self.runner
-        self._finalizer = weakref.finalize(self, startup.release, workers, runner, self.kv_connector)
+        self._finalizer = weakref.finalize(self, startup.release, workers, runner, self.kv_connector,
+                                           self.draft_runner)
 
     def _start(self, model_dir, tp, workers) -> None:
         """Load, size and allocate (backend/engine/startup.py), build the scheduler and what a step uses, warm up."""
-        config = self.config
+        config, spec = self.config, self.config.speculative
         started = startup.start(config, self.platform, model_dir, tp, workers)
         self.model, self.model_config, self.model_dir = started.model, started.model_config, started.model_dir
         self.tokenizer, self.eos_token_ids = started.tokenizer, started.eos_token_ids
         self.runner, self.memory_split = started.runner, started.memory_split
+        self.draft_runner = started.draft_runner  # speculative decoding with a draft model: its model and KV
         self.kv = KVCacheManager(started.num_blocks, config.block_size, config.enable_prefix_caching)
         # disaggregated prefill: the connector's two sides (backend/engine/kv_transfer/), both in this process
         self.kv_connector: KVConnector | None = None
@@ -89,11 +91,11 @@ class LLMEngine:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            drafting=config.speculative_config is not None, connector=self.kv_connector,
+            recompute_last_hit=spec is not None and spec.drafts_from_hidden_states, connector=self.kv_connector,
             max_loras=config.max_loras if config.enable_lora else None,
         )
-        # speculative decoding: the checkpoint's MTP layer drafts a token a step (spec_decode.py)
-        self.drafter = MTPDrafter(self.runner, self.kv) if config.speculative_config is not None else None
+        # speculative decoding: a proposer drafts after each step, the next verifies (backend/engine/spec_decode/)
+        self.drafter = None if spec is None else make_drafter(spec, self.runner, self.draft_runner, self.kv)
         self.step_runner = StepRunner(self.runner, self.kv, drafting=self.drafter is not None)
         self.inputs = InputProcessor(config, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                      started.num_blocks, self.runner.add_lora if config.enable_lora else None)
@@ -252,7 +254,7 @@ class LLMEngine:
 
     def _update_from_output(self, scheduled: list[ScheduledRequest], result: RunnerOutput | None) -> dict:
         """The requests' and the scheduler's state after the step: what failed fails, prompt logprobs are kept,
-        grammars take their tokens, each sequence gets its token (and the one after a verified draft), the drafter
+        grammars take their tokens, each sequence gets its token (and those after its verified drafts), the drafter
         drafts the next, and the KV transfers that ended are settled. Returns each sequence's new tokens, in order."""
         new_tokens = {}
         if result is not None:

@@ -139,6 +139,17 @@ class KVCacheManager:
             table.append(block_id)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Return the request's blocks beyond its first num_tokens tokens (those speculative drafts took and lost):
+        they hold no computed token, so nothing is cached in them, and they are handed out first."""
+        table = self.block_ids(request)
+        while len(table) > cdiv(num_tokens, self.block_size):
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+                self.free_queue.move_to_end(block.block_id, last=False)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks; its tail blocks queue for eviction before its head."""
         for block_id in reversed(self.tables.pop(request.request_id, [])):

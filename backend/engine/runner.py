@@ -191,9 +191,11 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def draft(self, chunks: list[DraftChunk], hidden: torch.Tensor) -> list[int]:
-        """The MTP layer's pass over the chunks (its K/V land in its own cache layer); the drafted next token of each
-        chunk that wants one (its argmax, as vLLM's MTP proposer drafts), in their order."""
+    def draft(self, chunks: list[DraftChunk], hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """The MTP layer's pass over the chunks (its K/V land in its own cache layer): the drafted next token of
+        each chunk that wants one (its argmax, as vLLM's MTP proposer drafts), in their order, and the layer's hidden
+        states there (what the layer reads as the target's when it drafts the token after, as vLLM recurses it).
+        chunks[i].hidden_rows index `hidden`."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].next_ids) != 1)  # (decodes first)
         ordered = [SequenceChunk(chunks[i].next_ids, chunks[i].num_computed, chunks[i].block_ids) for i in order]
         query_lens = [len(c.token_ids) for c in ordered]
@@ -206,8 +208,9 @@ class ModelRunner:
             where = {i: int(last[rank]) for rank, i in enumerate(order)}
             rows = [where[i] for i, c in enumerate(chunks) if c.wants_draft]
             if not rows:
-                return []
-            return self.model.mtp.compute_logits(drafted[torch.tensor(rows, device=self.device)]).argmax(-1).tolist()
+                return [], drafted[:0]
+            drafted = drafted[torch.tensor(rows, device=self.device)]
+            return self.model.mtp.compute_logits(drafted).argmax(-1).tolist(), drafted
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Read the adapter into host memory now (ValueError naming what is wrong), so that a step never does."""

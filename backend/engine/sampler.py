@@ -34,12 +34,16 @@ class SampledToken:
 
 
 def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | None] | None = None,
-           ahead: list[list[int]] | None = None) -> list[SampledToken]:
+           ahead: list[list[int]] | None = None, draft_probs: torch.Tensor | None = None) -> list[SampledToken]:
     """logits [B, V] fp32, one row per request (left as they are). One SampledToken per request.
 
-    drafts (speculative decoding): a row's draft token, which its sample keeps with probability p(draft), the
-    rejection sampling of a one-hot draft; where it is rejected the sample comes from p without it. The sample's
-    distribution is p either way, and the draft is verified where the sample equals it (greedy: the argmax).
+    drafts (speculative decoding): a row's draft token, kept by rejection sampling (vLLM's rejection sampler): with
+    probability min(1, p(draft) / q(draft)), where q is the distribution the draft was drawn from (draft_probs
+    [B, V], its rows for the drafted rows); where it is rejected the sample comes from the normalised residual
+    max(p - q, 0). Without draft_probs a draft counts as one-hot (vLLM's rule for drafts with no probabilities:
+    n-gram, and the argmax drafts of draft models and MTP layers): kept with probability p(draft), else sampled
+    from p without it. The sample's distribution is p either way, and the draft is verified where the sample
+    equals it (greedy: the argmax).
 
     ahead: tokens a row's request does not hold yet but its logits come after (a verified draft): penalties and
     min_tokens count them as the request's own output."""
@@ -64,7 +68,7 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | Non
     if not bool(greedy.all()):
         probs = _filtered_probs(logits, params)
         drafted = [row for row, d in enumerate(drafts or ()) if d is not None and not params[row].greedy]
-        kept = _keep_drafts(probs, requests, drafts, drafted) if drafted else None
+        kept = _keep_drafts(probs, requests, drafts, drafted, draft_probs) if drafted else None
         tokens = torch.where(greedy, tokens, _inverse_cdf(probs, requests))
         if kept is not None:
             rows, draft_ids = torch.tensor(drafted, device=device), torch.tensor([drafts[r] for r in drafted], device=device)
@@ -183,18 +187,26 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     return probs
 
 
-def _keep_drafts(probs: torch.Tensor, requests: list[Request], drafts: list[int | None], rows: list[int]) -> torch.Tensor:
-    """Whether each drafted row keeps its draft (a uniform below p(draft)); the rows' draft probabilities are zeroed
-    in place, so that the race after samples the rejected ones from the rest of p."""
-    uniforms = torch.rand(len(rows), device=probs.device)
+def _keep_drafts(probs: torch.Tensor, requests: list[Request], drafts: list[int | None], rows: list[int],
+                 draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """Whether each drafted row keeps its draft (a uniform below p(draft) / q(draft)); the rows of probs become the
+    residual max(p - q, 0) in place, so that the draw after samples the rejected ones from it."""
+    device = probs.device
+    uniforms = torch.rand(len(rows), device=device)
     for i, row in enumerate(rows):
         if requests[row].generator is not None:
             uniforms[i] = torch.rand(1, generator=requests[row].generator).item()
-    index = torch.tensor(rows, device=probs.device)
-    draft_ids = torch.tensor([drafts[row] for row in rows], device=probs.device)
+    index = torch.tensor(rows, device=device)
+    draft_ids = torch.tensor([drafts[row] for row in rows], device=device)
     p = probs[index] / probs[index].sum(dim=-1, keepdim=True)  # (min-p filtering leaves the rows unnormalised)
-    kept = uniforms < p[torch.arange(len(rows), device=probs.device), draft_ids]
-    probs[index, draft_ids] = 0.0
+    if draft_probs is None:  # one-hot at the draft
+        q = torch.zeros_like(p).scatter_(1, draft_ids[:, None], 1.0)
+    else:
+        q = draft_probs[index].to(p.dtype)
+        q = q / q.sum(dim=-1, keepdim=True)
+    at = torch.arange(len(rows), device=device)
+    kept = uniforms * q[at, draft_ids] < p[at, draft_ids]  # u < p/q, written without dividing by q
+    probs[index] = (p - q).clamp_(min=0.0)
     return kept
 
 

@@ -46,7 +46,7 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                 drafting: bool = False, connector: KVConnector | None = None, max_loras: int | None = None):
+                 recompute_last_hit: bool = False, connector: KVConnector | None = None, max_loras: int | None = None):
         self.kv = kv
         self.max_loras = max_loras  # with enable_lora: adapters among the running requests, at most
         self.connector = connector
@@ -55,7 +55,7 @@ class Scheduler:
         self.sending: dict[str, Request] = {}  # request id -> finished request whose blocks a consumer will pull
         # With an MTP drafter the draft layer's KV at a block's last position was computed from the token after the
         # block, which a prefix-cache hit does not match: the last hit block is computed again (as vLLM does).
-        self.drafting = drafting
+        self.recompute_last_hit = recompute_last_hit
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -118,8 +118,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
-            # a decode verifies its drafts in the same step, where the budget has room for them
-            drafts = tuple(request.draft_token_ids) if num_new == 1 and budget > len(request.draft_token_ids) else ()
+            # a decode verifies its drafts in the same step, as many as the budget has room for
+            drafts = tuple(request.draft_token_ids[:budget - 1]) if num_new == 1 else ()
             num_new += len(drafts)
             while not self.kv.allocate(request, num_new):
                 if drafts:  # a draft's slot is never worth a preemption
@@ -154,7 +154,7 @@ class Scheduler:
                 passed_over.append(self.waiting.popleft())
                 continue
             hits = self.kv.find_cached_prefix(request)
-            if self.drafting:
+            if self.recompute_last_hit:
                 hits = hits[:-1]
             num_cached = len(hits) * self.kv.block_size
             if self._next_block_being_computed(request, len(hits), computing):
@@ -286,12 +286,21 @@ class Scheduler:
             advanced.append(request)
         return advanced
 
-    def accept_drafts(self, verified: list[Request], tokens: dict[str, int]) -> None:
-        """Each verified request's draft (already its last token) is computed; append the token sampled after it."""
-        for request in verified:
+    def accept_drafts(self, request: Request, tokens: list[int]) -> int:
+        """A request's verified drafts: each is computed now (the first is its last token already), and the token
+        sampled after it joins the request, until one ends it. Returns how many joined. The blocks the rejected
+        drafts' positions took are returned (their KV is garbage; the next step allocates what it needs)."""
+        joined = 0
+        for token in tokens:
+            if request.finished:
+                break
             request.num_computed_tokens += 1
             self.kv.cache_full_blocks(request)
-            self._append(request, tokens[request.request_id])
+            self._append(request, token)
+            joined += 1
+        if not request.finished:
+            self.kv.trim(request, request.num_computed_tokens + 1)
+        return joined
 
     def _append(self, request: Request, token: int) -> None:
         """A sampled token joins the request; a stop token or its length finishes it."""

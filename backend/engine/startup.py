@@ -43,15 +43,19 @@ class Started:
     runner: ModelRunner | ParallelRunner  # a ParallelRunner under tensor parallel
     num_blocks: int  # KV blocks allocated
     memory_split: memory.MemorySplit | None  # how device memory was shared out (accelerators)
+    # speculative decoding with a draft model: its runner, KV tensors of its own for the same blocks
+    draft_runner: ModelRunner | None = None
 
 
 def start(config: EngineConfig, platform: Platform, model_dir: Path, tp, workers) -> Started:
     """Load this rank's model and the tokenizer, size and allocate the KV cache, capture the decode graphs."""
     in_use_before = memory.allocated(platform)
+    spec = config.speculative
     model, model_config, model_dir = load_model(
         model_dir, ops_for(platform.name), platform.device, config.dtype, config.max_model_len, tp,
-        config.enable_expert_parallel, mtp=config.speculative_config is not None, quantization=config.quantization,
+        config.enable_expert_parallel, mtp=spec is not None and spec.uses_mtp, quantization=config.quantization,
     )
+    draft_runner = _load_draft_model(config, platform, model_config) if spec and spec.method == "draft_model" else None
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = eos_token_ids(model_dir, model_config, tokenizer)
     # the scratch block only; with enable_lora, the adapters' slots (filled as steps need them: set aside below)
@@ -65,11 +69,24 @@ def start(config: EngineConfig, platform: Platform, model_dir: Path, tp, workers
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     else:
-        num_blocks, split = _blocks_that_fit(config, platform, model, runner, weights, eos)
+        num_blocks, split = _blocks_that_fit(config, platform, model, runner, weights, eos, draft_runner)
     runner.allocate_kv_cache(num_blocks)
+    if draft_runner is not None:
+        draft_runner.allocate_kv_cache(num_blocks)
     if not config.enforce_eager:
         runner.capture_decode_graphs(platform, config.max_num_seqs, _graph_len(config))
-    return Started(model, model_config, model_dir, tokenizer, eos, runner, num_blocks, split)
+    return Started(model, model_config, model_dir, tokenizer, eos, runner, num_blocks, split, draft_runner)
+
+
+def _load_draft_model(config: EngineConfig, platform: Platform, target_config) -> ModelRunner:
+    """speculative_config's draft model, in the target's dtype, on one rank; its vocabulary must be the target's
+    (its token ids are the target's to verify)."""
+    draft, draft_config, draft_dir = load_model(config.speculative.model, ops_for(platform.name), platform.device,
+                                                config.dtype, config.max_model_len)
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_config.model={str(draft_dir)!r}: its vocabulary has {draft_config.vocab_size} "
+                         f"tokens, the target's {target_config.vocab_size}; a draft model must share the vocabulary")
+    return ModelRunner(draft, 0, config.block_size, platform.device)
 
 
 @torch.inference_mode()
@@ -79,6 +96,8 @@ def warm_up(started: Started, config: EngineConfig) -> None:
     their code too."""
     begin = time.perf_counter()
     logits = started.runner.warm_up(min(config.max_num_batched_tokens, config.max_model_len - 1))
+    if started.draft_runner is not None:
+        started.draft_runner.warm_up(min(config.max_num_batched_tokens, config.max_model_len - 1))
     probe = Request("warm-up", [0], SamplingParams(temperature=1.0, top_p=0.9, seed=0), 1, started.eos_token_ids)
     sample(logits[:1], [probe])
     started.tokenizer.decode(started.tokenizer.encode("warm-up"))
@@ -94,8 +113,10 @@ def log_ready(started: Started, config: EngineConfig, platform: Platform) -> Non
 
 
 def _blocks_that_fit(config: EngineConfig, platform: Platform, model: nn.Module, runner, weights: int,
-                     eos) -> tuple[int, memory.MemorySplit | None]:
+                     eos, draft_runner: ModelRunner | None) -> tuple[int, memory.MemorySplit | None]:
     per_block = ModelRunner.bytes_per_block(model, config.block_size)
+    if draft_runner is not None:  # (a block holds the draft model's keys and values too)
+        per_block += ModelRunner.bytes_per_block(draft_runner.model, config.block_size)
     if platform.name == "cpu":  # (a budget of its own, the scratch block included)
         budget, split = config.kv_cache_memory_gb * 2**30 - per_block, None
     else:
@@ -126,7 +147,7 @@ def _graph_len(config: EngineConfig) -> int:
     return min(config.max_model_len, config.max_seq_len_to_capture)
 
 
-def release(workers, runner: ModelRunner, kv_connector) -> None:
+def release(workers, runner: ModelRunner, kv_connector, draft_runner: ModelRunner | None = None) -> None:
     """An engine's shutdown (its finalizer): the workers and their process group first, then the KV connector (its
     threads, sockets and registrations), then rank 0's KV cache."""
     try:
@@ -138,3 +159,5 @@ def release(workers, runner: ModelRunner, kv_connector) -> None:
                 kv_connector.shutdown()
         finally:
             runner.release_kv_cache()
+            if draft_runner is not None:
+                draft_runner.release_kv_cache()

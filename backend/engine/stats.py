@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.kv_transfer.connector import KVConnector, TransferStats
 from backend.engine.scheduler import Scheduler
-from backend.engine.spec_decode import MTPDrafter, SpecDecodeStats
+from backend.engine.spec_decode import Drafter, SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class EngineStats:
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
-def collect_stats(scheduler: Scheduler, kv: KVCacheManager, model, drafter: MTPDrafter | None,
+def collect_stats(scheduler: Scheduler, kv: KVCacheManager, model, drafter: Drafter | None,
                   kv_connector: KVConnector | None) -> EngineStats:
     return EngineStats(
         num_running=len(scheduler.running),

@@ -1,9 +1,10 @@
 """The runner's side of a step (vLLM's execute_model and sample_tokens): scheduled requests in, a RunnerOutput out.
 
 It builds each request's chunk, runs the forward pass (on every rank, with tensor parallelism), scores the prompt
-tokens asked for, samples the next token of each request that reached its last known one, and verifies drafts:
-where the sampled token is a request's draft, the token after the draft is sampled too, as the request would be
-once the draft is its own (speculative decoding: spec_decode.py).
+tokens asked for, samples the next token of each request that reached its last known one, and verifies drafts
+(speculative decoding: backend/engine/spec_decode/): where the sampled token is a request's first draft, the token
+after it is sampled from the logits after the draft, as the request would be once the draft is its own, and so on
+while the samples equal the drafts; after the last draft, that is the bonus token.
 
 A failure is confined to the requests it belongs to, and reported, not acted on: a forward pass that raises fails
 every request in it (RunnerOutput.error); a batch whose sampling raises is sampled a row at a time, and only the
@@ -36,11 +37,11 @@ class RunnerOutput:
     """What one step computed, by sequence (child) request id."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # the token after each one's last known token
-    # drafts verified: the token after the draft (the draft itself is the sampled token)
-    bonus: dict[str, SampledToken] = field(default_factory=dict)
+    # drafts verified: the tokens after the sampled one (each verified draft's next token, the last not a draft)
+    bonus: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # the prompt tokens scored
     failures: dict[str, BaseException] = field(default_factory=dict)  # sequences whose sampling failed
-    # sequences whose token after a verified draft failed: their failure, if the draft is theirs after the update
+    # sequences whose token after a verified draft failed: their failure, once the tokens before it are theirs
     bonus_failures: dict[str, BaseException] = field(default_factory=dict)
     error: BaseException | None = None  # the forward pass failed: so did every scheduled request
     device_error: RuntimeError | None = None  # and it failed MAX_FAILED_STEPS times in a row: the engine stops
@@ -74,7 +75,7 @@ class StepRunner:
         output.sampled = self._sample([s.request for s in wanting], forward.logits,
                                       [s.drafts[0] if s.drafts else None for s in wanting], output.failures)
         if self.drafting:
-            self._sample_after_verified_drafts(scheduled, forward, output)
+            self._verify_drafts(scheduled, forward, output)
         return output
 
     def _chunk(self, s: ScheduledRequest) -> SequenceChunk:
@@ -98,21 +99,33 @@ class StepRunner:
         return PromptScoring(first - request.num_computed_tokens, request.token_ids[first + 1 : last + 2],
                              request.params.prompt_logprobs)
 
-    def _sample_after_verified_drafts(self, scheduled: list[ScheduledRequest], forward: StepOutput,
-                                      output: RunnerOutput) -> None:
-        """Where a request's sampled token is its draft, the token after the draft, from the logits after it."""
-        verified, row = [], 0
+    def _verify_drafts(self, scheduled: list[ScheduledRequest], forward: StepOutput, output: RunnerOutput) -> None:
+        """Each request whose sampled token is its first draft: the token after each verified draft, position by
+        position, while the samples equal the drafts (output.bonus). forward.draft_logits holds the logits after
+        each draft, chunk after chunk."""
+        alive, row = [], 0  # (request's scheduled entry, its first row of draft logits) while its drafts hold
         for s in scheduled:
             if s.num_drafts:  # (a drafted chunk is a decode: it always wants logits)
                 token = output.sampled.get(s.request.request_id)
                 if token is not None and token.token_id == s.drafts[0]:
-                    verified.append((s.request, row))
+                    alive.append((s, row))
                 row += s.num_drafts
-        if verified:
-            requests = [request for request, _ in verified]
-            rows = forward.draft_logits[torch.tensor([row for _, row in verified])]
-            output.bonus = self._sample(requests, rows, None, output.bonus_failures,
-                                        ahead=[[output.sampled[r.request_id].token_id] for r in requests])
+        position = 0  # the draft whose next token is sampled, counted from 0
+        while alive:
+            requests = [s.request for s, _ in alive]
+            logits = forward.draft_logits[torch.tensor([row + position for _, row in alive])]
+            drafts = [s.drafts[position + 1] if position + 1 < s.num_drafts else None for s, _ in alive]
+            ahead = [[output.sampled[r.request_id].token_id] + [t.token_id for t in output.bonus.get(r.request_id, ())]
+                     for r in requests]
+            sampled = self._sample(requests, logits, drafts, output.bonus_failures, ahead)
+            still = []
+            for (s, row), draft in zip(alive, drafts):
+                token = sampled.get(s.request.request_id)
+                if token is not None:
+                    output.bonus.setdefault(s.request.request_id, []).append(token)
+                    if token.token_id == draft:
+                        still.append((s, row))
+            alive, position = still, position + 1
 
     @staticmethod
     def _sample(requests: list[Request], logits, drafts: list[int | None] | None,

@@ -1,5 +1,5 @@
 """Multi-token prediction (DeepSeek V3, GLM-4.5): the checkpoint's extra decoder layer (num_nextn_predict_layers),
-run as a one-token speculative draft, as vLLM's DeepSeekMTP runs it.
+run as a speculative drafter, as vLLM's DeepSeekMTP runs it (for k tokens: applied again to its own output).
 
 At position p it takes the target model's final hidden state h_p and the embedding of the token at p + 1, and
 predicts the token at p + 2:
@@ -44,10 +44,10 @@ class MultiTokenPredictor(DecoderLayer):
         embeds = embeds.masked_fill((positions == 0)[:, None], 0)  # (vLLM: position 0 has no previous token)
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(target_hidden)), dim=-1))
         x, residual = self.forward(x, None, positions, cos_sin_cache, kv_cache, metadata)
-        return self.shared_head.norm(x, residual)[0]
+        return x + residual  # (before the shared head's norm: what the layer reads back when it drafts on)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(hidden)
+        return self.shared_head.head(self.shared_head.norm(hidden))
 
 
 def attach_mtp(model) -> None:

@@ -1,0 +1,128 @@
+"""What every speculative method shares: after a step, the tokens its verification kept join their requests, the
+drafts are counted (vLLM's spec-decode metrics, vllm:spec_decode_*), and the proposer drafts each request's next
+ones; the blocks the rejected drafts took go back.
+
+A request is drafted for when it decodes next and has no grammar (a draft would have to pass its matcher first), at
+most as many tokens as max_tokens leaves it. A proposer's failure costs speed alone: the step
+drafts nothing and the requests decode a token a step.
+
+Greedy requests keep a draft exactly when it is their argmax, so their tokens are those of decoding without drafts
+(up to rounding: a verification's attention is computed as a short prefill chunk). Seeded samples do differ from a
+run without drafts: keeping a draft takes a draw from the request's generator.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from backend.engine.kv_cache import KVCacheManager
+from backend.engine.request import Request
+from backend.engine.runner import StepOutput
+from backend.engine.sampler import SampledToken
+from backend.engine.scheduler import ScheduledRequest, Scheduler
+from backend.engine.step_runner import RunnerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verification steps of a request, each with its drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
+
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class KeptPositions:
+    """One scheduled request after a step: it computed and kept positions start .. num_computed_tokens - 1."""
+
+    request: Request
+    start: int
+    first_row: int | None  # with the step's hidden states: the row of position `start`
+    num_wanted: int  # drafts to propose for its next step (0: it does not decode next)
+
+
+class Proposer(Protocol):
+    # it keeps state per position (a KV cache of its own), so it runs over every kept position, drafting or not
+    runs_every_position: bool
+
+    def propose(self, kept: list[KeptPositions], forward: StepOutput) -> list[list[int]]:
+        """Each request's drafts, at most num_wanted (a request wanting none may still need its positions run)."""
+
+
+class Drafter:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, kv: KVCacheManager):
+        self.proposer, self.k, self.kv = proposer, num_speculative_tokens, kv
+        self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+
+    def accept(self, scheduler: Scheduler, scheduled: list[ScheduledRequest], result: RunnerOutput,
+               advanced: list[Request], new_tokens: dict[str, list[SampledToken]],
+               fail_sequence: Callable[[Request, BaseException], None]) -> None:
+        """After the scheduler took the step's sampled tokens (advanced: the requests that got one): the drafts are
+        counted; the tokens after each request's verified drafts join it until one ends it (a failure to sample
+        one fails the request); then the proposer drafts."""
+        self._record(scheduled, result)
+        for request in advanced:
+            if request.request_id in result.bonus_failures and not request.finished:
+                fail_sequence(request, result.bonus_failures[request.request_id])
+        for request in advanced:
+            tokens = result.bonus.get(request.request_id)
+            if tokens and not request.finished:  # (a sibling's failure ends it)
+                joined = scheduler.accept_drafts(request, [t.token_id for t in tokens])
+                new_tokens[request.request_id] += tokens[:joined]
+        self._propose(scheduled, result.starts, result.forward)
+
+    def _record(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
+        """Count the step's drafts, and those its samples verified (a draft holds while every one before it did)."""
+        stats = self.stats
+        for s in scheduled:
+            if not s.num_drafts:
+                continue
+            stats.num_drafts += 1
+            stats.num_draft_tokens += s.num_drafts
+            first = result.sampled.get(s.request.request_id)
+            tokens = [first] + result.bonus.get(s.request.request_id, []) if first is not None else []
+            for position, draft in enumerate(s.drafts):
+                if position >= len(tokens) or tokens[position].token_id != draft:
+                    break
+                stats.num_accepted_tokens += 1
+                stats.num_accepted_tokens_per_pos[position] += 1
+
+    def _propose(self, scheduled: list[ScheduledRequest], starts: list[int], forward: StepOutput) -> None:
+        """Each request's next drafts (request.draft_token_ids), from the positions the step kept; then its blocks
+        beyond those the next step needs are returned."""
+        kept = []
+        for i, (s, start) in enumerate(zip(scheduled, starts)):
+            request = s.request
+            request.draft_token_ids = []
+            if request.finished or request.num_computed_tokens <= start:
+                continue
+            first_row = forward.first_rows[i] if forward.first_rows is not None else None
+            kept.append(KeptPositions(request, start, first_row, self._num_wanted(request)))
+        if kept and (self.proposer.runs_every_position or any(p.num_wanted for p in kept)):
+            try:
+                drafts = self.proposer.propose(kept, forward)
+            except Exception:  # a draft is an optimisation: without one the requests decode a token a step
+                log.exception("the %s proposer failed; this step drafts nothing", type(self.proposer).__name__)
+                drafts = [[] for _ in kept]
+            for p, tokens in zip(kept, drafts):
+                p.request.draft_token_ids = list(tokens[:p.num_wanted])
+        for p in kept:
+            self.kv.trim(p.request, p.request.num_computed_tokens + 1 + len(p.request.draft_token_ids))
+
+    def _num_wanted(self, request: Request) -> int:
+        if request.grammar is not None or request.num_computed_tokens != len(request.token_ids) - 1:
+            return 0
+        # (as many as it has tokens left: the token after the last draft is then cut by max_tokens, as vLLM's is)
+        return max(0, min(self.k, request.max_tokens - request.num_output_tokens))

@@ -1,0 +1,222 @@
+"""Speculative decoding, every method (speculative_config: ngram, draft_model, deepseek_mtp with k tokens).
+
+Greedy: the tokens with drafts are those without, through chunked prefill, prefix-cache hits and preemption, with
+drafts both accepted and rejected and every block back in the pool; logprobs, stop strings and n > 1 as without.
+Sampling: the joint distribution of three sampled tokens equals the target model's own (exactly, from transformers'
+logits) within a chi-square test, per method; the rejection sampler with draft probabilities keeps p, and the same
+sampler told the wrong q fails that test. Configs npu-llm cannot honour are refused at load, naming the key."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend.config import EngineConfig
+from backend.engine.request import Request
+from backend.engine.sampler import sample
+from backend.engine.spec_decode.ngram import lookup
+from tests.conftest import add_mtp_layer, greedy_tokens, hf_model, make_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def v3_with_mtp(tmp_path_factory):
+    """TINY's 512-token vocabulary (the default model's tokenizer reads its ids): its logits are decisive enough
+    for the drafts of add_mtp_layer to be accepted at times."""
+    return add_mtp_layer(make_tiny_model("deepseek_v3", tmp_path_factory.mktemp("spec") / "v3"))
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory):
+    """A draft model of the same vocabulary and other random weights: its drafts are mostly rejected."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("spec") / "draft", num_hidden_layers=1)
+
+
+def _methods(v3, other):
+    """(method name, speculative_config) for each way of drafting, on the v3 target."""
+    return {"ngram": NGRAM, "mtp": MTP,
+            "draft_model (the target itself)": {"method": "draft_model", "model": str(v3), "num_speculative_tokens": 3},
+            "draft_model (another model)": {"model": str(other), "num_speculative_tokens": 2}}
+
+
+METHODS = ["ngram", "mtp", "draft_model (the target itself)", "draft_model (another model)"]
+
+
+@pytest.mark.parametrize("tokens,k,min_n,max_n,drafts", [
+    ([1, 2, 3, 4, 2, 3], 4, 2, 3, [4, 2, 3]),  # vLLM's docstring: [4, 2, 3] unmatched, [2, 3] matched, 3 follow
+    ([1, 2, 3, 9, 1, 2, 3, 7, 2, 3], 2, 2, 3, [9, 1]),  # the longest match wins, at its earliest place
+    ([5, 6, 7, 8, 6, 7], 2, 3, 3, []),  # nothing as long as min_n
+    ([5, 6, 5], 3, 1, 3, [6, 5]),  # fewer than k tokens follow: those there are
+])
+def test_ngram_lookup_follows_vllms_rule(tokens, k, min_n, max_n, drafts):
+    assert lookup(np.array(tokens), k, min_n, max_n) == drafts
+
+
+def _prompts():
+    rng = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 500, (40,), generator=rng).tolist()
+    looping = (torch.randint(3, 500, (6,), generator=rng).tolist() * 5)[:27]  # n-gram drafts from the prompt
+    return [shared, shared + [7, 8], torch.randint(3, 500, (70,), generator=rng).tolist(), looping]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_tokens_with_drafts_are_those_without(method, v3_with_mtp, other_llama, default_model_dir):
+    spec = _methods(v3_with_mtp, other_llama)[method]
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    # (48 tokens: the tiny model falls into a loop of 13 after about 26, which n-gram then drafts)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    args = dict(model=str(v3_with_mtp), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
+                num_kv_blocks=18, max_num_batched_tokens=32, max_num_seqs=4)
+    with LLM(**args) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with LLM(**args, speculative_config=spec) as drafting:
+        outputs = drafting.generate(prompts, params)
+        stats = drafting.engine.stats()
+        assert drafting.engine.kv.num_free_blocks == 18
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+    assert max(len(p) for p in _prompts()) > 32  # chunked prefill
+    spec_stats = stats.spec_decode
+    if method == "draft_model (the target itself)":  # its drafts are the target's argmax: its KV must be right
+        assert 0 < spec_stats.num_accepted_tokens == spec_stats.num_draft_tokens
+    elif method == "draft_model (another model)":  # random weights: they seldom agree, and it must not matter
+        assert spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
+    else:
+        assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
+    per_position = spec_stats.num_accepted_tokens_per_pos
+    assert sum(per_position) == spec_stats.num_accepted_tokens and per_position == sorted(per_position, reverse=True)
+    assert stats.num_generation_tokens == len(prompts) * 48  # (a step yields several tokens: all counted once)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", "draft_model (the target itself)"])
+def test_sampled_tokens_keep_the_target_distribution(method, v3_with_mtp, other_llama, default_model_dir):
+    """3000 seeded requests sample three tokens each (top-3, temperature 0.8) while drafting; the counts of the 27
+    outcomes against the exact probabilities from transformers: the chi-square test's p-value is above 0.01
+    (seeded, so the figure is the same each run; a sampler that kept drafts at 1.5 p(draft) gives p ~ 1e-29)."""
+    top_k, temperature, n = 3, 0.8, 3000
+    reference = hf_model(v3_with_mtp)
+    # n-gram: the end of a greedy run, where the tiny model loops (every 13 tokens), so it drafts the loop; the
+    # MTP layer of add_mtp_layer drafts what the embeddings predict, which follows a short random prompt more often
+    prompt = [5, 17, 99, 4, 250, 31] if method == "mtp" else greedy_tokens(reference, _prompts()[3], 48)[-20:]
+
+    def top(prefix):  # the target's next-token distribution after prefix, as the sampler filters it
+        with torch.no_grad():
+            logits = reference(torch.tensor([prefix])).logits[0, -1] / temperature
+        values, ids = logits.topk(top_k)
+        return dict(zip(ids.tolist(), values.softmax(-1).tolist()))
+
+    exact = {}
+    for a, pa in top(prompt).items():
+        for b, pb in top(prompt + [a]).items():
+            for c, pc in top(prompt + [a, b]).items():
+                exact[a, b, c] = pa * pb * pc
+
+    with LLM(model=str(v3_with_mtp), tokenizer=str(default_model_dir), dtype="float32", max_num_seqs=256,
+             speculative_config=_methods(v3_with_mtp, other_llama)[method]) as llm:
+        params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=i)
+                  for i in range(n)]
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
+        spec = llm.engine.stats().spec_decode
+    sampled = [tuple(o.outputs[0].token_ids) for o in outputs]
+    assert all(triple in exact for triple in sampled)  # every draw within the top-3 paths
+    assert chi_square_pvalue(sampled, exact) > 0.01
+    assert 0.05 * n < spec.num_accepted_tokens < spec.num_draft_tokens  # drafts kept and rejected, often
+
+
+def chi_square_pvalue(samples: list, exact: dict) -> float:
+    """P(X >= statistic) for the counts of samples against the exact probabilities, the rarest outcomes pooled until
+    each cell expects at least 5 (the test's validity condition)."""
+    counts = {outcome: 0 for outcome in exact}
+    for outcome in samples:
+        counts[outcome] += 1
+    outcomes = sorted(exact, key=exact.get)
+    expected = [exact[o] * len(samples) for o in outcomes]
+    observed = [counts[o] for o in outcomes]
+    while expected[0] < 5:
+        expected[1] += expected.pop(0)
+        observed[1] += observed.pop(0)
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    # chi-square with len - 1 degrees of freedom: the regularised upper incomplete gamma
+    return torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2), torch.tensor(statistic / 2)).item()
+
+
+def test_the_rejection_sampler_keeps_p_for_drafts_drawn_from_q():
+    """Drafts drawn from a distribution q, verified with q: min(1, p/q) keeps, the residual max(p - q, 0) resamples;
+    the sampled tokens follow p. Told the wrong q (uniform), the same sampler does not: the test catches it."""
+    vocab, n = 6, 6000
+    generator = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(vocab, generator=generator) * 1.5
+    q = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
+    p = torch.softmax(p_logits, -1)
+    exact = {(token,): prob for token, prob in enumerate(p.tolist())}
+    requests = [Request(str(i), [0], SamplingParams(temperature=1.0, seed=i), 8, {vocab}) for i in range(n)]
+    drafts = torch.multinomial(q, n, replacement=True, generator=generator).tolist()
+    logits = p_logits.expand(n, vocab)
+
+    def verified(told_q):
+        return [(t.token_id,) for t in sample(logits, requests, drafts, draft_probs=told_q.expand(n, vocab))]
+
+    assert chi_square_pvalue(verified(q), exact) > 0.01
+    assert chi_square_pvalue(verified(torch.full((vocab,), 1 / vocab)), exact) < 1e-6
+
+
+def test_logprobs_stop_strings_and_n_are_as_without_drafts(default_model_dir):
+    """On the default model, copying a passage (n-gram's best case): the same text, token ids, logprobs (of every
+    accepted token too) and finish reasons with drafts as without; n = 2; a stop string inside a step's tokens."""
+    passage = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+               "members agreed to increase funding for the library by ten percent.")
+    messages = [[{"role": "user", "content": f"Copy this passage word for word:\n\n{passage}"}]]
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=3, n=2),
+              SamplingParams(temperature=0, max_tokens=40, stop=["ten percent"])]
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    outputs = {}
+    for drafting in (None, spec):
+        with LLM(dtype="float32", num_kv_blocks=64, speculative_config=drafting) as llm:
+            outputs[drafting is None] = [llm.chat(messages, p)[0] for p in params]
+            if drafting:
+                assert llm.engine.stats().spec_decode.acceptance_rate > 0.5
+                assert llm.engine.kv.num_free_blocks == 64
+    for plain, drafted in zip(outputs[True], outputs[False]):
+        assert len(plain.outputs) == len(drafted.outputs)
+        for a, b in zip(plain.outputs, drafted.outputs):
+            assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
+                                                                             b.stop_reason)
+            for x, y in zip(a.logprobs or [], b.logprobs or []):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank for t in x)
+    assert outputs[False][1].outputs[0].finish_reason == "stop" and "ten percent" not in outputs[False][1].outputs[0].text
+
+
+@pytest.mark.parametrize("spec,why", [
+    ({"method": "eagle4", "num_speculative_tokens": 1}, "method 'eagle4': must be one of ngram, draft_model"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens: Input should be less than or equal to 16"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size: unknown key"),
+    ({"method": "ngram"}, "num_speculative_tokens: method 'ngram' needs it"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model: method 'draft_model' needs"),
+    ({"method": "mtp", "model": "x"}, "model: method 'mtp' takes no model"),
+    ({"method": "mtp", "prompt_lookup_max": 3}, "only method 'ngram' takes them"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+     "prompt_lookup_min=4 is above prompt_lookup_max=3"),
+])
+def test_speculative_configs_npu_llm_cannot_honour_are_refused(spec, why):
+    with pytest.raises(ValueError, match=why):
+        EngineConfig(speculative_config=spec)
+
+
+def test_vllms_defaults_fill_what_is_left_out():
+    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config == \
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5, "prompt_lookup_min": 5}
+    assert EngineConfig(speculative_config={"model": "m", "num_speculative_tokens": 2}).speculative.method == "draft_model"
+    assert EngineConfig(speculative_config={"method": "mtp"}).speculative.num_speculative_tokens == 1
+    with pytest.raises(ValueError, match="method 'draft_model' drafts on one rank for now"):
+        EngineConfig(speculative_config={"model": "m", "num_speculative_tokens": 2}, tensor_parallel_size=2)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(v3_with_mtp, tmp_path, default_model_dir):
+    other = make_tiny_model("llama", tmp_path / "other", vocab_size=600)
+    with pytest.raises(ValueError, match="its vocabulary has 600 tokens, the target's 512"):
+        LLM(model=str(v3_with_mtp), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=8,
+            speculative_config={"model": str(other), "num_speculative_tokens": 2})
