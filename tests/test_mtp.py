@@ -1,7 +1,6 @@
 """Speculative decoding with DeepSeek V3's multi-token-prediction layer (speculative_config, vLLM's deepseek_mtp),
 where it differs from the other methods (tests/test_spec_decode.py has what they share): a checkpoint without the
-layer is refused; through Triton, vLLM's spec-decode counters add up; a sampling fault after a verified draft fails
-its request alone."""
+layer is refused; a sampling fault after a verified draft fails its request alone."""
 from __future__ import annotations
 
 import pytest
@@ -26,39 +25,6 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(tmp_path, default_model_di
     with pytest.raises(Exception, match="needs a checkpoint with a multi-token-prediction layer"):
         LLM(model=str(model_dir), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=8,
             speculative_config=MTP)
-
-
-@pytest.mark.slow
-def test_triton_reports_the_spec_decode_metrics(tmp_path, default_model_dir):
-    """A real tritonserver with speculative_config in its engine arguments: after a request, vLLM's spec-decode
-    counters are on /metrics, and they add up (the accepted tokens, over all positions, are among the drafted)."""
-    import re
-    import urllib.request
-
-    from transformers import AutoTokenizer
-
-    from tests.conftest import generate_through_triton, served_by_triton
-
-    vocab = len(AutoTokenizer.from_pretrained(default_model_dir))  # (the request is text)
-    model_dir = add_mtp_layer(make_tiny_model("deepseek_v3", tmp_path / "v3", vocab_size=vocab))
-    engine_args = {"model": str(model_dir), "tokenizer": str(default_model_dir), "dtype": "float32",
-                   "num_kv_blocks": 64, "speculative_config": MTP}
-    with served_by_triton(engine_args, tmp_path / "tritonserver.log") as server:
-        try:
-            generate_through_triton(server, {"text_input": "Draft a token, verify it", "exclude_input_in_output": True,
-                                             "parameters": {"temperature": 0, "max_tokens": 16, "ignore_eos": True}})
-            server.settled()
-            counts = {name: server.metric(f"vllm:spec_decode_{name}_total")
-                      for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-            text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-            [per_position] = [float(m[1]) for m in re.finditer(
-                r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{.*position="0".*\} (\S+)$', text, re.M)]
-            generated = server.metric("vllm:generation_tokens_total")
-        except Exception:
-            raise AssertionError(server.log()[-4000:])
-    assert generated == 16
-    assert 0 < counts["num_drafts"] == counts["num_draft_tokens"] < 16, counts  # a draft a decode step at most
-    assert counts["num_accepted_tokens"] == per_position <= counts["num_draft_tokens"], counts
 
 
 def test_a_sampling_fault_after_a_verified_draft_fails_its_request_alone(tmp_path, default_model_dir, monkeypatch):

@@ -467,6 +467,29 @@ def test_tensor_parallel_on_the_npu_talks_hccl_and_equals_the_cpu_path(fake_npu,
 
 
 @pytest.mark.slow
+def test_drafts_are_verified_through_splitfuse_on_the_npu(fake_npu):
+    """n-gram drafts on the NPU: each verification is k + 1 query tokens after a cached context, which only
+    _npu_paged_attention_splitfuse takes (the decode op takes one token a sequence); greedy tokens equal the NPU's
+    own without drafts, and drafts were kept."""
+    from backend import LLM, SamplingParams
+
+    passage = "The committee met on Tuesday to review the budget for the coming year and the library's new roof."
+    messages = [[{"role": "user", "content": f"Copy this passage word for word:\n\n{passage}"}]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    args = dict(device="npu", dtype="bfloat16", num_kv_blocks=8, max_num_seqs=1)
+    with LLM(**args) as plain:
+        [expected] = plain.chat(messages, params)
+    fake_npu.calls.clear()
+    with LLM(**args, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                         "prompt_lookup_max": 4}) as llm:
+        [drafted] = llm.chat(messages, params)
+        spec = llm.engine.stats().spec_decode
+        assert llm.engine.kv.num_free_blocks == 8
+    assert drafted.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert spec.num_accepted_tokens > 0
+    assert fake_npu.calls.get("_npu_paged_attention_splitfuse", 0) >= spec.num_drafts  # (a verification each)
+
+
 def test_engine_on_npu_equals_cpu_path(fake_npu, monkeypatch):
     from backend import LLM, SamplingParams
 

@@ -220,3 +220,38 @@ def test_a_draft_model_of_another_vocabulary_is_refused(v3_with_mtp, tmp_path, d
     with pytest.raises(ValueError, match="its vocabulary has 600 tokens, the target's 512"):
         LLM(model=str(v3_with_mtp), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=8,
             speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_triton_reports_the_spec_decode_metrics_and_the_ui_the_acceptance(tmp_path):
+    """A real tritonserver with speculative_config (n-gram, 3 tokens) in its engine arguments, the default model
+    continuing a repetitive text: vLLM's spec-decode counters are on /metrics and add up (the accepted tokens are
+    those of the positions, fewer at each later one), and the UI's server panel shows the share kept."""
+    import re
+    import urllib.request
+
+    from tests.conftest import generate_through_triton, served_by_triton
+    from ui.server_metrics import ServerMetrics
+
+    engine_args = {"dtype": "float32", "num_kv_blocks": 64,
+                   "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}}
+    with served_by_triton(engine_args, tmp_path / "tritonserver.log") as server:
+        try:
+            generate_through_triton(server, {"text_input": "the cat sat on the mat. " * 6, "exclude_input_in_output": True,
+                                             "parameters": {"temperature": 0, "max_tokens": 32, "ignore_eos": True}})
+            server.settled()
+            counts = {name: server.metric(f"vllm:spec_decode_{name}_total")
+                      for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+            per_position = {int(m[1]): float(m[2]) for m in re.finditer(
+                r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{.*position="(\d+)".*\} (\S+)$', text, re.M)}
+            generated = server.metric("vllm:generation_tokens_total")
+            panel, _, _ = ServerMetrics([server.metrics_url]).refresh()
+        except Exception:
+            raise AssertionError(server.log()[-4000:])
+    assert generated == 32
+    assert 0 < counts["num_drafts"] < counts["num_draft_tokens"] <= 3 * counts["num_drafts"], counts
+    assert sorted(per_position) == [0, 1, 2] and sum(per_position.values()) == counts["num_accepted_tokens"] > 0
+    assert per_position[0] >= per_position[1] >= per_position[2]
+    kept = round(counts["num_accepted_tokens"] / counts["num_draft_tokens"] * 100)
+    assert f"**Drafts kept** {kept}%" in panel, panel

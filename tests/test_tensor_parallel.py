@@ -70,6 +70,16 @@ def test_moe_experts_sharded_or_spread_over_two_ranks_equal_one(arch, tmp_path, 
     assert stats.expert_load == [pairs]  # tensor parallel: both ranks serve every pair
     assert sum(spread_stats.expert_load) == pairs and len(spread_stats.expert_load) == 2
 
+def test_ngram_drafts_verified_over_two_ranks_equal_one(tiny_llama, default_model_dir):
+    """speculative_config with n-gram under tensor parallel: each verification runs k + 1 positions on both ranks,
+    and the tokens and logprobs are one process's without drafts; drafts were both kept and rejected."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    alone, _ = _generate(tiny_llama, default_model_dir, 1)
+    sharded, stats = _generate(tiny_llama, default_model_dir, 2, speculative_config=spec)
+    _assert_same(alone, sharded)
+    assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
+
+
 def _assert_same(alone, sharded) -> None:
     """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4; the same prompt logprobs (their
     top 2) within 1e-4."""

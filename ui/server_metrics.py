@@ -60,7 +60,7 @@ class ServerMetrics:
         panel = (
             f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
             + ("**Decode** " if prefill else "") + _load(served)
-            + f" · **Prefix-cache hit rate** {served.mean('vllm:prefix_cache_hit_rate') * 100:.0f}%"
+            + f" · **Prefix-cache hit rate** {served.mean('vllm:prefix_cache_hit_rate') * 100:.0f}%" + _drafts(served)
         )
         if prefill:  # (disaggregated: the prefill servers, and the KV pulled from them)
             panel += (f"  \n**Prefill** {len(self.prefill_metrics_urls)} server(s): {_load(prefill)} · "
@@ -90,6 +90,19 @@ def _load(scrape: Scrape) -> str:
     return (f"**KV cache** {scrape.mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
             f"**Running** {scrape.total('vllm:num_requests_running'):.0f} · "
             f"**Waiting** {scrape.total('vllm:num_requests_waiting'):.0f}")
+
+
+def _drafts(scrape: Scrape) -> str:
+    """With speculative decoding: the share of draft tokens kept, and vLLM's mean acceptance length (the tokens a
+    verification yields: its kept drafts and the token after them)."""
+    drafts = scrape.total("vllm:spec_decode_num_draft_tokens")
+    if "vllm:spec_decode_num_draft_tokens" not in scrape.samples:
+        return ""
+    accepted, verifications = scrape.total("vllm:spec_decode_num_accepted_tokens"), scrape.total("vllm:spec_decode_num_drafts")
+    if not verifications:
+        return " · **Drafts** none yet"
+    return (f" · **Drafts kept** {accepted / drafts * 100:.0f}% "
+            f"({1 + accepted / verifications:.2f} tokens a verification)")
 
 
 def _frame(times: list[float], name: str, values: list[float]) -> pd.DataFrame:
