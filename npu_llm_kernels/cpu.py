@@ -91,8 +91,10 @@ def unavailable_reason() -> str | None:
 # rows, and 1-6x faster than oneDNN's emulated bf16 (decode of 2 and 4 sequences: 1.35-1.7x end to end). Where
 # that kernel is not built, oneDNN's bf16 packing takes up to 3 rows with AVX-512 (measured 1.2-2.4x faster than
 # fp32 on a Xeon without bf16 hardware), and torch's own bf16 F.linear 1 row without (1.25-1.6x faster than
-# fp32-packed weights there, level at 2 rows and slower above).
-FEW_ROWS_AVX2_KERNEL = 5
+# fp32-packed weights there, level at 2 rows and slower above). From 5 rows the AVX2 kernel takes the rows 4 at a
+# time on each stripe of weights (a speculative verification's k + 1 positions): on a Zen 3 it was 1.3-1.45x faster
+# than fp32-packed weights at 5 to 8 rows, level at 12 to 16 and slower from 20.
+FEW_ROWS_AVX2_KERNEL = 9
 FEW_ROWS = 4
 FEW_ROWS_TORCH_BF16 = 2
 

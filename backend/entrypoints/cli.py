@@ -124,6 +124,13 @@ def _cmd_bench_lora(args) -> int:
     return 0
 
 
+def _cmd_bench_spec(args) -> int:
+    from backend.entrypoints.bench.speculative import run_spec_bench
+
+    run_spec_bench(args)
+    return 0
+
+
 def _cmd_bench_serving(args) -> int:
     if args.disaggregate:
         from backend.entrypoints.bench.disaggregated import run_disaggregated_bench
@@ -272,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "up_proj", "down_proj"])
     lora.add_argument("--repeats", type=int, default=2, help="base and LoRA runs, interleaved")
     lora.set_defaults(func=_cmd_bench_lora)
+    spec = kinds.add_parser("spec", help="output tokens/s with speculative decoding vs. plain decoding, on chat "
+                                         "prompts that copy or lightly edit a passage")
+    EngineConfig.add_cli_args(spec)  # (--speculative-config: n-gram, 4 tokens, suffixes of 2-4 when not given)
+    spec.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    spec.add_argument("--output-len", type=int, default=128, help="max_tokens (greedy, stops at EOS)")
+    spec.add_argument("--repeats", type=int, default=2, help="plain and speculative runs, interleaved")
+    spec.set_defaults(func=_cmd_bench_spec)
     moe = kinds.add_parser("moe", help="one MoE layer's experts: the fused CPU kernel vs. the per-expert loop")
     moe.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     moe.add_argument("--experts", type=int, default=64)

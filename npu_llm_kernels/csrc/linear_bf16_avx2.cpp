@@ -1,4 +1,4 @@
-// y = x w^T (+ bias) for a few rows of x, with w kept in bf16 and the math in fp32, on CPUs where oneDNN has no
+// y = x w^T (+ bias) for a few rows of x (up to a few tens), with w kept in bf16 and the math in fp32, on CPUs where oneDNN has no
 // bf16 (AVX2 without AVX-512). A decode step of one to four sequences is bound by streaming the weights: bf16
 // weights stream half the bytes that fp32-packed ones do, and converting them to fp32 costs one shift per 8 values.
 //
@@ -53,6 +53,35 @@ void rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n, float* ou
   });
 }
 
+// More than 4 rows (a speculative verification's k + 1 positions, a few decodes with drafts): each task's stripe of
+// 2 weight rows is applied to the rows 4 at a time while it sits in L1, so the weights still stream from memory
+// once, as bf16.
+template <int M>
+inline void stripe(const float* x, const at::BFloat16* w, int64_t k, int64_t n0, float* out, int64_t n) {
+  if (n0 + 2 <= n) {
+    tile<M, 2>(x, w, k, n0, out, n);
+  } else {
+    tile<M, 1>(x, w, k, n0, out, n);  // (the last weight row of an odd n)
+  }
+}
+
+void many_rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t m, float* out) {
+  at::parallel_for(0, (n + 1) / 2, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t g = 0; g < m; g += 4) {
+        const float* xg = x + g * k;
+        float* og = out + g * n;
+        switch (std::min<int64_t>(4, m - g)) {
+          case 4: stripe<4>(xg, w, k, 2 * t, og, n); break;
+          case 3: stripe<3>(xg, w, k, 2 * t, og, n); break;
+          case 2: stripe<2>(xg, w, k, 2 * t, og, n); break;
+          default: stripe<1>(xg, w, k, 2 * t, og, n); break;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -61,7 +90,6 @@ at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, co
   const int64_t k = weight.size(1), n = weight.size(0);
   const at::Tensor flat = x.reshape({-1, k}).to(at::kFloat).contiguous();  // a few rows: a few KB
   const int64_t m = flat.size(0);
-  TORCH_CHECK(m <= 4, "linear_bf16_weights takes at most 4 rows, got ", m);
   at::Tensor out = at::empty({m, n}, flat.options());
   const float* xs = flat.data_ptr<float>();
   const auto* w = weight.data_ptr<at::BFloat16>();
@@ -71,7 +99,8 @@ at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, co
     case 2: rows<2>(xs, w, k, n, ys); break;
     case 3: rows<3>(xs, w, k, n, ys); break;
     case 4: rows<4>(xs, w, k, n, ys); break;
-    default: break;  // m == 0: nothing to compute
+    case 0: break;
+    default: many_rows(xs, w, k, n, m, ys); break;
   }
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
