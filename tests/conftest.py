@@ -263,6 +263,52 @@ def make_peft_adapter(base_dir, path, rank: int, targets: list[str], seed: int, 
     return model.merge_and_unload().eval()
 
 
+def make_eagle_head(target_dir, path, method: str, aux_layers: list[int] | None = None, draft_vocab: int = 256):
+    """A random-weight EAGLE ("eagle") or EAGLE-3 ("eagle3") head for the tiny model at target_dir, in the layout
+    vLLM loads: EAGLE's fc and layers.0 (no input norm, the target's embedding and lm_head shared); EAGLE-3's fc over
+    three target layers, midlayer (attention over 2 x hidden), norm, its own lm_head over a draft vocabulary of
+    draft_vocab target ids (d2t: target id - draft id) and t2d."""
+    from safetensors.torch import save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    h, heads, kv_heads = target["hidden_size"], target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim, inter, vocab = h // heads, target["intermediate_size"], target["vocab_size"]
+    g = torch.Generator().manual_seed(11)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    prefix = "layers.0." if method == "eagle" else "midlayer."
+    qkv_in = h if method == "eagle" else 2 * h
+    tensors = {f"{prefix}self_attn.q_proj.weight": w(heads * head_dim, qkv_in),
+               f"{prefix}self_attn.k_proj.weight": w(kv_heads * head_dim, qkv_in),
+               f"{prefix}self_attn.v_proj.weight": w(kv_heads * head_dim, qkv_in),
+               f"{prefix}self_attn.o_proj.weight": w(h, heads * head_dim),
+               f"{prefix}post_attention_layernorm.weight": 1 + w(h),
+               f"{prefix}mlp.gate_proj.weight": w(inter, h), f"{prefix}mlp.up_proj.weight": w(inter, h),
+               f"{prefix}mlp.down_proj.weight": w(h, inter)}
+    config = {"architectures": ["LlamaForCausalLMEagle" if method == "eagle" else "LlamaForCausalLMEagle3"],
+              "model_type": "llama", "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": vocab}
+    if method == "eagle":
+        tensors["fc.weight"] = w(h, 2 * h)
+        tensors["embed_tokens.weight"] = w(vocab, h)  # (vLLM skips EAGLE's copy: the target's serves)
+    else:
+        ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        tensors.update({"fc.weight": w(h, 3 * h), f"{prefix}input_layernorm.weight": 1 + w(h),
+                        f"{prefix}hidden_norm.weight": 1 + w(h), "norm.weight": 1 + w(h),
+                        "lm_head.weight": w(draft_vocab, h), "d2t": ids - torch.arange(draft_vocab),
+                        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)})
+        config["draft_vocab_size"] = draft_vocab
+        if aux_layers is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def greedy_tokens(model, prompt: list[int], steps: int) -> list[int]:
     """A Hugging Face model's greedy continuation, never stopping early (as ignore_eos)."""
     ids = torch.tensor([prompt])

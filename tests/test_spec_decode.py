@@ -1,7 +1,9 @@
-"""Speculative decoding, every method (speculative_config: ngram, draft_model, deepseek_mtp with k tokens).
+"""Speculative decoding, every method (speculative_config: ngram, draft_model, eagle, eagle3, deepseek_mtp with k
+tokens).
 
 Greedy: the tokens with drafts are those without, through chunked prefill, prefix-cache hits and preemption, with
-drafts both accepted and rejected and every block back in the pool; logprobs, stop strings and n > 1 as without.
+drafts both accepted and rejected and every block back in the pool; logprobs, stop strings and n > 1 as without;
+EAGLE and EAGLE-3 heads in vLLM's layouts draft what their formulas give, computed apart on transformers' states.
 Sampling: the joint distribution of three sampled tokens equals the target model's own (exactly, from transformers'
 logits) within a chi-square test, per method; the rejection sampler with draft probabilities keeps p, and the same
 sampler told the wrong q fails that test. Configs npu-llm cannot honour are refused at load, naming the key."""
@@ -16,7 +18,7 @@ from backend.config import EngineConfig
 from backend.engine.request import Request
 from backend.engine.sampler import sample
 from backend.engine.spec_decode.ngram import lookup
-from tests.conftest import add_mtp_layer, greedy_tokens, hf_model, make_tiny_model
+from tests.conftest import add_mtp_layer, greedy_tokens, hf_model, make_eagle_head, make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 3}
@@ -53,6 +55,119 @@ METHODS = ["ngram", "mtp", "draft_model (the target itself)", "draft_model (anot
 ])
 def test_ngram_lookup_follows_vllms_rule(tokens, k, min_n, max_n, drafts):
     assert lookup(np.array(tokens), k, min_n, max_n) == drafts
+
+
+@pytest.fixture(scope="module")
+def llama_with_heads(tmp_path_factory):
+    """A tiny Llama of 4 layers, and a random EAGLE and EAGLE-3 head for it (EAGLE-3 fusing layers 1-3)."""
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_tiny_model("llama", root / "target", num_hidden_layers=4)
+    return target, make_eagle_head(target, root / "eagle", "eagle"), \
+        make_eagle_head(target, root / "eagle3", "eagle3", aux_layers=[1, 2, 3])
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_greedy_tokens_with_eagle_heads_are_those_without(method, llama_with_heads, default_model_dir):
+    """Random heads in vLLM's layouts draft (and are seldom right, which must not matter): the tokens are those
+    without drafts, through chunked prefill, prefix-cache hits and preemption, every block back in the pool."""
+    target, eagle, eagle3 = llama_with_heads
+    spec = {"method": method, "model": str(eagle if method == "eagle" else eagle3), "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    args = dict(model=str(target), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
+                num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=4)
+    with LLM(**args) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with LLM(**args, speculative_config=spec) as drafting:
+        outputs = drafting.generate(prompts, params)
+        stats = drafting.engine.stats()
+        assert drafting.engine.kv.num_free_blocks == 16
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+    assert stats.spec_decode.num_draft_tokens > 3 * len(prompts)
+    assert stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_draft_what_vllms_formulas_give(method, llama_with_heads, default_model_dir):
+    """The three drafts after a prompt's prefill equal those of the head's formulas computed here apart, in plain
+    torch on transformers' hidden states and rotary tables (vLLM's llama_eagle.py / llama_eagle3.py): the first from
+    the prompt's positions, the next two from the head's own output, one position further each."""
+    from backend import LLMEngine
+
+    target, eagle, eagle3 = llama_with_heads
+    head = eagle if method == "eagle" else eagle3
+    prompt = _prompts()[2][:21]
+    engine = LLMEngine(model=str(target), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=8,
+                       speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
+    try:
+        engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8))
+        engine.step()
+        [request] = engine.scheduler.running
+        drafts = list(request.draft_token_ids)
+    finally:
+        engine.shutdown()
+    assert drafts == _reference_drafts(target, head, method, prompt, 3)
+
+
+def _reference_drafts(target_dir, head_dir, method: str, prompt: list[int], k: int) -> list[int]:
+    from safetensors.torch import load_file
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    target = hf_model(target_dir)
+    config = target.config
+    w = {key.replace("midlayer.", "").replace("layers.0.", ""): t for key, t in
+         load_file(str(head_dir / "model.safetensors")).items()}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim, eps = config.hidden_size // heads, config.rms_norm_eps
+    rotary = LlamaRotaryEmbedding(config)
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def attention(x):
+        n = len(x)
+        q = (x @ w["self_attn.q_proj.weight"].T).view(1, n, heads, head_dim).transpose(1, 2)
+        k_ = (x @ w["self_attn.k_proj.weight"].T).view(1, n, kv_heads, head_dim).transpose(1, 2)
+        v = (x @ w["self_attn.v_proj.weight"].T).view(1, n, kv_heads, head_dim).transpose(1, 2)
+        cos, sin = rotary(v, torch.arange(n)[None])
+        q, k_ = apply_rotary_pos_emb(q, k_, cos, sin)
+        repeat = heads // kv_heads
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k_.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), is_causal=True)
+        return out.transpose(1, 2).reshape(n, heads * head_dim) @ w["self_attn.o_proj.weight"].T
+
+    def mlp(x):
+        gate, up = x @ w["mlp.gate_proj.weight"].T, x @ w["mlp.up_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+
+    def head_pass(embeds, hidden):  # the hidden state each position hands on (before any final norm)
+        if method == "eagle":  # fc, then a decoder layer without its input norm
+            x = torch.cat((embeds, hidden), -1) @ w["fc.weight"].T
+            x = x + attention(x)
+        else:  # attention over the normed embedding and hidden state side by side
+            x = hidden + attention(torch.cat((norm(embeds, w["input_layernorm.weight"]),
+                                              norm(hidden, w["hidden_norm.weight"])), -1))
+        return x + mlp(norm(x, w["post_attention_layernorm.weight"]))
+
+    def greedy(x):
+        if method == "eagle":
+            return target.lm_head(x).argmax().item()
+        draft = (norm(x, w["norm.weight"]) @ w["lm_head.weight"].T).argmax().item()
+        return draft + w["d2t"][draft].item()
+
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True)
+        states = out.hidden_states  # [i]: the input of layer i (its residual stream); [-1]: after the final norm
+        rows = states[-1][0] if method == "eagle" else torch.cat([states[i][0] for i in (1, 2, 3)], -1) @ w["fc.weight"].T
+        tokens, hidden, drafts = prompt + [out.logits[0, -1].argmax().item()], list(rows), []
+        for _ in range(k):
+            n = len(hidden)
+            x = head_pass(target.model.embed_tokens(torch.tensor(tokens[1 : n + 1])), torch.stack(hidden))
+            drafts.append(greedy(x[-1]))
+            tokens.append(drafts[-1])
+            hidden.append(x[-1])
+    return drafts
 
 
 def _prompts():
@@ -191,7 +306,8 @@ def test_logprobs_stop_strings_and_n_are_as_without_drafts(default_model_dir):
 
 
 @pytest.mark.parametrize("spec,why", [
-    ({"method": "eagle4", "num_speculative_tokens": 1}, "method 'eagle4': must be one of ngram, draft_model"),
+    ({"method": "eagle4", "num_speculative_tokens": 1}, "method 'eagle4': must be one of ngram, draft_model, eagle, eagle3"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "model: method 'eagle3' needs the drafting model's"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens: Input should be less than or equal to 16"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size: unknown key"),
     ({"method": "ngram"}, "num_speculative_tokens: method 'ngram' needs it"),
@@ -213,6 +329,36 @@ def test_vllms_defaults_fill_what_is_left_out():
     assert EngineConfig(speculative_config={"method": "mtp"}).speculative.num_speculative_tokens == 1
     with pytest.raises(ValueError, match="method 'draft_model' drafts on one rank for now"):
         EngineConfig(speculative_config={"model": "m", "num_speculative_tokens": 2}, tensor_parallel_size=2)
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(llama_with_heads, tmp_path, default_model_dir):
+    """An EAGLE-3 head whose layers the target lacks, a head for another width, a head missing a tensor, and a
+    folder that holds no head: each refused at load, naming the folder and what is wrong."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    target, eagle, eagle3 = llama_with_heads
+
+    def head_like(source, name, config_change=None, drop=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = json.loads((source / "config.json").read_text())
+        config.update(config_change or {})
+        (folder / "config.json").write_text(json.dumps(config))
+        tensors = {k: v for k, v in load_file(str(source / "model.safetensors")).items() if k != drop}
+        save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+
+    cases = [("eagle3", head_like(eagle3, "layers", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}),
+              "EAGLE-3 reads three distinct target layers of 1..3; these are \\[0, 1, 2\\]"),
+             ("eagle", head_like(eagle, "wide", {"hidden_size": 128}), "hidden_size 128 is not the target's 64"),
+             ("eagle", head_like(eagle, "torn", drop="fc.weight"), "the eagle head lacks tensors for model.layers.4.fc"),
+             ("eagle", tmp_path, "no config.json there")]
+    for method, folder, why in cases:
+        with pytest.raises((ValueError, RuntimeError), match=why):
+            LLM(model=str(target), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=8,
+                speculative_config={"method": method, "model": str(folder), "num_speculative_tokens": 2})
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(v3_with_mtp, tmp_path, default_model_dir):

@@ -174,6 +174,9 @@ class EngineConfig:
         if platform == "cpu" and not self.enforce_eager:
             log.warning("enforce_eager=False: torch has no CPU graphs, so the engine runs eagerly")
             self.enforce_eager = True
+        if self.speculative_config is not None and self.speculative.method == "eagle3" and not self.enforce_eager:
+            raise ValueError("speculative_config: EAGLE-3 reads three target layers' inputs, which decode graphs do not "
+                             "keep yet; set enforce_eager=true")
         if self.enable_lora and not self.enforce_eager:
             raise ValueError("enable_lora: decode graphs do not capture the adapters yet; set enforce_eager=true")
         if self.tensor_parallel_size > 1 and not self.enforce_eager:

@@ -3,6 +3,7 @@ no torch: the config and the CLI check it without loading the engine.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 3}
+    {"method": "eagle3", "model": "/models/eagle3-head", "num_speculative_tokens": 3}   (or "eagle")
     {"method": "deepseek_mtp", "num_speculative_tokens": 2}   (or "mtp": the checkpoint's own MTP layer)
 """
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MTP_METHODS = ("deepseek_mtp", "mtp")  # vLLM's names for drafting with the checkpoint's MTP layer
-SPECULATIVE_METHODS = ("ngram", "draft_model", *MTP_METHODS)
+EAGLE_METHODS = ("eagle", "eagle3")  # a draft head from its own folder (speculative_config.model)
+SPECULATIVE_METHODS = ("ngram", "draft_model", *EAGLE_METHODS, *MTP_METHODS)
 # A verification runs num_speculative_tokens + 1 query tokens per request; the NPU's fused attention takes at most 16
 # query tokens per sequence where it verifies drafts (docs/npu.md), and vLLM's rejection sampler at most 32.
 MAX_SPECULATIVE_TOKENS = 16
@@ -26,7 +28,7 @@ class SpeculativeConfig(BaseModel):
 
     method: str | None = None  # None with a model: "draft_model", as vLLM infers it
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
-    model: str | None = None  # draft_model: the drafting model's folder (or GGUF file)
+    model: str | None = None  # draft_model: the drafting model's folder (or GGUF file); eagle, eagle3: the head's
     prompt_lookup_max: int | None = Field(None, ge=1)  # ngram: the longest suffix matched
     prompt_lookup_min: int | None = Field(None, ge=1)  # ngram: the shortest
 
@@ -41,10 +43,10 @@ class SpeculativeConfig(BaseModel):
             self.num_speculative_tokens = self.num_speculative_tokens or 1
         elif self.num_speculative_tokens is None:
             raise ValueError(f"num_speculative_tokens: method {self.method!r} needs it")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("model: method 'draft_model' needs the drafting model's folder")
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f"model: method {self.method!r} takes no model (only draft_model does)")
+        if self.takes_model and not self.model:
+            raise ValueError(f"model: method {self.method!r} needs the drafting model's (or head's) folder")
+        if not self.takes_model and self.model is not None:
+            raise ValueError(f"model: method {self.method!r} takes no model (draft_model, eagle and eagle3 do)")
         lookups = self.prompt_lookup_max is not None or self.prompt_lookup_min is not None
         if self.method != "ngram" and lookups:
             raise ValueError(f"prompt_lookup_max/min: only method 'ngram' takes them, not {self.method!r}")
@@ -57,14 +59,22 @@ class SpeculativeConfig(BaseModel):
         return self
 
     @property
+    def takes_model(self) -> bool:
+        return self.method == "draft_model" or self.method in EAGLE_METHODS
+
+    @property
     def uses_mtp(self) -> bool:
         return self.method in MTP_METHODS
 
     @property
+    def uses_eagle(self) -> bool:
+        return self.method in EAGLE_METHODS
+
+    @property
     def drafts_from_hidden_states(self) -> bool:
-        """The draft layer reads the target's hidden state at each position, so its KV at a block's last position
+        """The draft head reads the target's hidden state at each position, so its KV at a block's last position
         depends on the token after the block, which a prefix-cache hit does not match."""
-        return self.uses_mtp
+        return self.uses_mtp or self.uses_eagle
 
 
 def describe_errors(error: ValidationError) -> str:

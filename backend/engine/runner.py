@@ -51,7 +51,7 @@ class SequenceChunk:
 
 @dataclass
 class DraftChunk:
-    """One sequence's share of the multi-token-prediction layer's pass (backend/models/mtp.py): the positions from
+    """One sequence's share of the draft head's pass (backend/models/mtp.py, eagle.py): the positions from
     num_computed on that the step computed and kept, with the token after each and the target's hidden rows there."""
 
     next_ids: list[int]
@@ -68,7 +68,7 @@ class StepOutput:
     prompt_logprobs: list[list[dict[int, Logprob]] | None]
     # fp32 [drafts, vocab], where chunks carry drafts: the logits after each draft, chunk after chunk in their order
     draft_logits: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None  # the step's final hidden states, for a drafting model's MTP pass
+    hidden: torch.Tensor | None = None  # with a draft head: what it reads of the step (the model's draft_inputs)
     first_rows: list[int] | None = None  # with hidden: per chunk, in their order, the row of its first token
 
 
@@ -180,9 +180,9 @@ class ModelRunner:
         starts = {i: last[rank] + 1 - query_lens[rank] for rank, i in enumerate(order)}
         scored = [self._score_prompt(hidden, starts[i], c.prompt_scoring) if c.prompt_scoring else None
                   for i, c in enumerate(chunks)]
-        drafting = self.model.mtp is not None
+        drafting = self.model.draft_head is not None
         step = StepOutput(torch.empty(0, self.model.config.vocab_size, device=self.device), scored,
-                          hidden=hidden if drafting else None,
+                          hidden=self.model.draft_inputs(hidden) if drafting else None,
                           first_rows=[int(starts[i]) for i in range(len(chunks))] if drafting else None)
         if rows:
             with scope("forward"):
@@ -192,10 +192,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft(self, chunks: list[DraftChunk], hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """The MTP layer's pass over the chunks (its K/V land in its own cache layer): the drafted next token of
-        each chunk that wants one (its argmax, as vLLM's MTP proposer drafts), in their order, and the layer's hidden
-        states there (what the layer reads as the target's when it drafts the token after, as vLLM recurses it).
-        chunks[i].hidden_rows index `hidden`."""
+        """The draft head's pass over the chunks (an MTP layer or an EAGLE head; its K/V land in its own cache
+        layer): the drafted next token of each chunk that wants one (its argmax, as vLLM's proposers draft), in their
+        order, and the head's hidden states there (what it reads as the target's when it drafts the token after, as
+        vLLM recurses it). chunks[i].hidden_rows index `hidden`."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].next_ids) != 1)  # (decodes first)
         ordered = [SequenceChunk(chunks[i].next_ids, chunks[i].num_computed, chunks[i].block_ids) for i in order]
         query_lens = [len(c.token_ids) for c in ordered]
@@ -210,7 +210,7 @@ class ModelRunner:
             if not rows:
                 return [], drafted[:0]
             drafted = drafted[torch.tensor(rows, device=self.device)]
-            return self.model.mtp.compute_logits(drafted).argmax(-1).tolist(), drafted
+            return self.model.draft_tokens(drafted).tolist(), drafted
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Read the adapter into host memory now (ValueError naming what is wrong), so that a step never does."""

@@ -54,6 +54,7 @@ def start(config: EngineConfig, platform: Platform, model_dir: Path, tp, workers
     model, model_config, model_dir = load_model(
         model_dir, ops_for(platform.name), platform.device, config.dtype, config.max_model_len, tp,
         config.enable_expert_parallel, mtp=spec is not None and spec.uses_mtp, quantization=config.quantization,
+        head=(spec.method, spec.model) if spec is not None and spec.uses_eagle else None,
     )
     draft_runner = _load_draft_model(config, platform, model_config) if spec and spec.method == "draft_model" else None
     tokenizer = load_tokenizer(config.tokenizer or model_dir)

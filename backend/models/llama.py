@@ -150,12 +150,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, expert_parallel)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # EAGLE-3 (backend/models/eagle.py): the layers whose inputs its head fuses, kept by each forward pass
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata):
         x, residual = self.embed_tokens(input_ids), None
-        # (a multi-token-prediction layer after them, with its own cache, runs apart: backend/models/mtp.py)
-        for layer, kv_cache in zip(self.layers, kv_caches[:self.num_hidden_layers]):
+        aux = []
+        # (a draft head after them, with its own cache, runs apart: backend/models/mtp.py, eagle.py)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches[:self.num_hidden_layers])):
+            if i in self.aux_layers:  # (vLLM's: the layer's input, residual included; never layer 0's)
+                aux.append(x + residual)
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, metadata)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         x, _ = self.norm(x, residual)
         return x
 
@@ -248,16 +256,26 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, self.cos_sin_cache, kv_caches, metadata)
 
     @property
-    def mtp(self):
-        """The multi-token-prediction layer after the decoder layers, where attach_mtp added one (mtp.py)."""
+    def draft_head(self):
+        """The draft head after the decoder layers, where one was attached: the checkpoint's multi-token-prediction
+        layer (mtp.py) or an EAGLE / EAGLE-3 head (eagle.py)."""
         layers, n = self.model.layers, self.config.num_hidden_layers
         return layers[n] if len(layers) > n else None
 
+    def draft_inputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the draft head reads of a forward pass: its final hidden states, or EAGLE-3's fused layers' inputs."""
+        return self.model.aux_hidden if self.model.aux_layers else hidden
+
     def draft_hidden(self, next_ids, positions, target_hidden, kv_caches: list[KVCache], metadata: AttentionMetadata):
-        """The MTP layer's hidden states at `positions`, given the tokens after them and the target's hidden states
-        there; its K/V land in the last of kv_caches."""
-        return self.mtp.predict(self.model.embed_tokens(next_ids), target_hidden, positions, self.cos_sin_cache,
-                                kv_caches[-1], metadata)
+        """The draft head's hidden states at `positions`, given the tokens after them and the target's hidden states
+        there (draft_inputs); its K/V land in the last of kv_caches."""
+        head = self.draft_head
+        embeds = (head.embed_tokens or self.model.embed_tokens)(next_ids)
+        return head.predict(embeds, target_hidden, positions, self.cos_sin_cache, kv_caches[-1], metadata)
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft head's greedy token after each row of its hidden states, in the target's vocabulary."""
+        return self.draft_head.greedy_tokens(hidden, self.compute_logits)
 
     def pack_weights(self) -> None:
         """After loading: every matmul weight into the kernels' layout (the embedding keeps its own for lookups)."""

@@ -14,6 +14,7 @@ from backend.distributed import SINGLE, TensorParallel
 from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
+from backend.models.eagle import Eagle3Head, EagleHead, HeadCheckpoint
 from backend.models.mtp import attach_mtp
 from backend.models.quantization import (
     PACKED_SHAPE, SYMMETRIC_ZERO_POINTS, CompressedTensors, ModelSlim, UnsupportedQuantization, as_loaded,
@@ -105,11 +106,13 @@ def load_model(
     expert_parallel: bool = False,
     mtp: bool = False,
     quantization: str | None = None,
+    head: tuple[str, str] | None = None,
 ):
     """(model, config, model_dir): weights loaded on `device` in `dtype`, rope table sized for max_model_len;
     under tensor parallelism, only this rank's shards are read (and its experts, with expert_parallel); with mtp,
-    the checkpoint's multi-token-prediction layer too (backend/models/mtp.py). A quantized checkpoint's int8 layers
-    stay int8 (backend/models/quantization.py); `quantization` is vLLM's flag, None to follow config.json."""
+    the checkpoint's multi-token-prediction layer too (backend/models/mtp.py); with head (method, folder), an EAGLE or
+    EAGLE-3 draft head from its own folder (backend/models/eagle.py). A quantized checkpoint's int8 layers stay int8
+    (backend/models/quantization.py); `quantization` is vLLM's flag, None to follow config.json."""
     device = torch.device(device)
     model_dir = resolve_model(model)
     config = load_config(model_dir)
@@ -125,6 +128,11 @@ def load_model(
                 attach_mtp(module)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
+    checkpoint = None
+    if head is not None:
+        checkpoint = HeadCheckpoint(*head, config)  # (ValueError naming speculative_config.model)
+        with torch.device("meta"):
+            _attach_head(module, checkpoint)
     # Cast while still on meta, so the device never holds a float32 copy of the weights (freed fp32
     # blocks would stay reserved by the caching allocator and count against the KV cache).
     module = module.to(torch_dtype)
@@ -139,7 +147,7 @@ def load_model(
             quant.check_tensors(_stored_keys(files), model_dir)
         except UnsupportedQuantization as e:
             raise ModelLoadError(str(e)) from e
-    _load_weights(module, files)
+    _load_weights(module, files, checkpoint)
     if quant is not None:
         try:
             check_scales(module)
@@ -159,7 +167,7 @@ def _quantize(module: LlamaForCausalLM, quant: CompressedTensors | ModelSlim, op
     """Give the layers the checkpoint stores in int8 their int8 parameters (still on the meta device)."""
     where = quant.path if isinstance(quant, ModelSlim) else model_dir / "config.json"
     kinds = [kind for kind, present in (("latent attention", module.latent_kv),
-                                        ("a multi-token-prediction layer", module.mtp is not None)) if present]
+                                        ("a draft head", module.draft_head is not None)) if present]
     if kinds:
         raise ModelLoadError(f"{where}: {quant.description} is served for models of plain attention; this one has "
                              f"{' and '.join(kinds)} (not served quantized yet)")
@@ -181,7 +189,20 @@ def _stored_keys(files: list[Path]) -> set[str]:
     return keys
 
 
-def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
+def _attach_head(module: LlamaForCausalLM, checkpoint: HeadCheckpoint) -> None:
+    """An EAGLE / EAGLE-3 head after the decoder layers (model.layers.{num_hidden_layers}: a layer of the KV cache of
+    its own); EAGLE-3's target keeps the inputs of the three layers it fuses."""
+    if module.latent_kv or module.tp.size > 1:
+        raise ValueError("EAGLE heads are served for models of plain attention on one rank")
+    config, index = module.config, module.config.num_hidden_layers
+    if checkpoint.method == "eagle":
+        module.model.layers.append(EagleHead(config, checkpoint.config, index, module.ops))
+    else:
+        module.model.layers.append(Eagle3Head(config, checkpoint.config, module.ops, checkpoint.own_embedding))
+        module.model.aux_layers = checkpoint.aux_layers(config.num_hidden_layers)
+
+
+def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpoint | None = None) -> None:
     experts = {name: m for name, m in module.named_modules() if isinstance(m, FusedMoE)}
     params = {name: p for name, p in module.named_parameters() if name.rsplit(".", 1)[0] not in experts}
     unfilled = {name: p.shape[0] for name, p in params.items()}  # rows still to be loaded per parameter
@@ -203,11 +224,32 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path]) -> None:
                     _load_tensor(module, params, unfilled, key, tensor, path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
+    if head is not None:
+        _load_head(module, params, unfilled, head)
     missing = [name for name, rows in unfilled.items() if rows]
     missing += [f"{name} ({part})" for name, m in experts.items() for part in m.missing()]
     if missing:
         raise ModelLoadError(f"{files[0].parent}: checkpoint lacks tensors for {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _load_head(module: LlamaForCausalLM, params, unfilled, head: HeadCheckpoint) -> None:
+    """An EAGLE / EAGLE-3 head's tensors, renamed into the model (its d2t map is a buffer); what it lacks is named."""
+    index = module.config.num_hidden_layers
+    layer = module.model.layers[index]
+    for path in head.files:
+        with safe_open(str(path), framework="pt") as f:
+            for stored in f.keys():
+                key = head.our_key(stored, index)
+                if key is None:
+                    continue
+                if key.endswith(".d2t") and hasattr(layer, "d2t"):
+                    layer.d2t.copy_(f.get_tensor(stored).to(torch.long))
+                    continue
+                _load_tensor(module, params, unfilled, key, f.get_tensor(stored), path)
+    missing = [name for name, rows in unfilled.items() if rows and name.startswith(f"model.layers.{index}.")]
+    if missing:
+        raise ModelLoadError(f"{head.folder}: the {head.method} head lacks tensors for {', '.join(missing[:5])}")
 
 
 def _beyond_the_model(module: LlamaForCausalLM, key: str) -> bool:
@@ -216,7 +258,7 @@ def _beyond_the_model(module: LlamaForCausalLM, key: str) -> bool:
     if not key.startswith("model.layers."):
         return False
     index, config = int(key.split(".")[2]), module.config
-    if index == config.num_hidden_layers and module.mtp is not None:
+    if index == config.num_hidden_layers and module.draft_head is not None:
         return key.endswith(".embed_tokens.weight")
     return config.num_hidden_layers <= index < config.num_hidden_layers + extra_layers_of(config)
 

@@ -46,8 +46,10 @@ class MultiTokenPredictor(DecoderLayer):
         x, residual = self.forward(x, None, positions, cos_sin_cache, kv_cache, metadata)
         return x + residual  # (before the shared head's norm: what the layer reads back when it drafts on)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(hidden))
+    embed_tokens = None  # (the model's own serves: the checkpoint's copy is skipped)
+
+    def greedy_tokens(self, hidden: torch.Tensor, target_logits) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(hidden)).argmax(-1)
 
 
 def attach_mtp(model) -> None:

@@ -5,7 +5,7 @@ positions through the paged KV cache, in the same batch as plain decodes and pre
 last kept one. Drafts change how many tokens a step yields, never their distribution.
 
 drafter.py: what every method shares (verified tokens joining their requests, the counts, the blocks);
-ngram.py, draft_model.py, mtp.py: the proposers."""
+ngram.py, draft_model.py, draft_head.py (an MTP layer or an EAGLE head): the proposers."""
 from __future__ import annotations
 
 from backend.config import SpeculativeConfig
@@ -13,7 +13,7 @@ from backend.engine.kv_cache import KVCacheManager
 from backend.engine.runner import ModelRunner
 from backend.engine.spec_decode.drafter import Drafter, KeptPositions, SpecDecodeStats
 from backend.engine.spec_decode.draft_model import DraftModelProposer
-from backend.engine.spec_decode.mtp import MTPProposer
+from backend.engine.spec_decode.draft_head import DraftHeadProposer
 from backend.engine.spec_decode.ngram import NgramProposer
 
 __all__ = ["Drafter", "KeptPositions", "SpecDecodeStats", "make_drafter"]
@@ -27,5 +27,5 @@ def make_drafter(spec: SpeculativeConfig, runner: ModelRunner, draft_runner: Mod
     elif spec.method == "draft_model":
         proposer = DraftModelProposer(draft_runner, kv)
     else:
-        proposer = MTPProposer(runner, kv)
+        proposer = DraftHeadProposer(runner, kv)
     return Drafter(proposer, k, kv)

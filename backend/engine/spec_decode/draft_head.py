@@ -1,5 +1,6 @@
-"""Drafting with the checkpoint's multi-token-prediction layer (vLLM's "deepseek_mtp" / "mtp";
-backend/models/mtp.py). At position p the layer reads the target's hidden state there and the token at p + 1, and
+"""Drafting with a head that reads the target's hidden states: the checkpoint's multi-token-prediction layer (vLLM's
+"deepseek_mtp" / "mtp"; backend/models/mtp.py) or an EAGLE / EAGLE-3 head ("eagle", "eagle3";
+backend/models/eagle.py). At position p the head reads the target's hidden state there and the token at p + 1, and
 predicts the token at p + 2; it runs over every position the target computed and kept, prompt chunks included, so
 that its own KV cache follows the target's. For k drafts it is applied again to its own hidden state and its last
 draft, one position further each time, as vLLM recurses it."""
@@ -10,7 +11,7 @@ from backend.engine.runner import DraftChunk, ModelRunner, StepOutput
 from backend.engine.spec_decode.drafter import KeptPositions
 
 
-class MTPProposer:
+class DraftHeadProposer:
     runs_every_position = True
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager):
