@@ -305,6 +305,60 @@ def test_logprobs_stop_strings_and_n_are_as_without_drafts(default_model_dir):
     assert outputs[False][1].outputs[0].finish_reason == "stop" and "ten percent" not in outputs[False][1].outputs[0].text
 
 
+def test_an_abort_while_drafting_returns_every_block_and_leaves_the_others_alone(default_model_dir):
+    """Two requests copying passages with n-gram drafts; one is aborted once drafts were kept: its blocks (those its
+    drafts took too) go back, and the other's tokens are those it has alone without drafts."""
+    from backend.engine.tokenizer import chat_prompt_ids
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    params = SamplingParams(temperature=0, max_tokens=48)
+    with LLM(dtype="float32", num_kv_blocks=64) as plain:
+        tokenizer = plain.engine.tokenizer
+        prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": f"Copy this exactly:\n\n{text}"}])
+                   for text in ("The river rises in the northern hills and flows south to the sea.",
+                                "Our return policy allows customers to return most items within thirty days.")]
+        [expected] = plain.generate([{"prompt_token_ids": prompts[1]}], params)
+    with LLM(dtype="float32", num_kv_blocks=64, speculative_config=spec) as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs[output.request_id] = output
+            if "0" in outputs and not outputs["0"].finished and engine.stats().spec_decode.num_accepted_tokens:
+                engine.abort_request("0")
+        assert outputs["0"].finished and outputs["0"].outputs[0].finish_reason == "abort"
+        assert outputs["1"].outputs[0].token_ids == expected.outputs[0].token_ids
+        assert engine.kv.num_free_blocks == 64
+
+
+def test_structured_outputs_draft_within_the_grammar(default_model_dir):
+    """Requests with a grammar are drafted for too: drafts the matcher refuses are cut, the rows after kept drafts are
+    masked as the grammar will be there, and each kept token is the matcher's. A JSON list of repeated records (where
+    n-gram drafts the keys): the same output as without drafts, valid against its schema, drafts kept."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "city": {"type": "string", "maxLength": 12}},
+        "required": ["name", "city"], "additionalProperties": False}}
+    messages = [[{"role": "user", "content": "List three people with their city, as JSON."}]]
+    params = SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema})
+    outputs = {}
+    for drafting in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}):
+        with LLM(dtype="float32", num_kv_blocks=64, speculative_config=drafting) as llm:
+            [outputs[drafting is None]] = llm.chat(messages, params)
+            if drafting:
+                spec = llm.engine.stats().spec_decode
+                assert llm.engine.kv.num_free_blocks == 64
+    plain, drafted = outputs[True].outputs[0], outputs[False].outputs[0]
+    assert drafted.token_ids == plain.token_ids and drafted.finish_reason == plain.finish_reason == "stop"
+    jsonschema.validate(json.loads(drafted.text), schema)
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+
+
 @pytest.mark.parametrize("spec,why", [
     ({"method": "eagle4", "num_speculative_tokens": 1}, "method 'eagle4': must be one of ngram, draft_model, eagle, eagle3"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "model: method 'eagle3' needs the drafting model's"),

@@ -286,21 +286,13 @@ class Scheduler:
             advanced.append(request)
         return advanced
 
-    def accept_drafts(self, request: Request, tokens: list[int]) -> int:
-        """A request's verified drafts: each is computed now (the first is its last token already), and the token
-        sampled after it joins the request, until one ends it. Returns how many joined. The blocks the rejected
-        drafts' positions took are returned (their KV is garbage; the next step allocates what it needs)."""
-        joined = 0
-        for token in tokens:
-            if request.finished:
-                break
-            request.num_computed_tokens += 1
-            self.kv.cache_full_blocks(request)
-            self._append(request, token)
-            joined += 1
-        if not request.finished:
-            self.kv.trim(request, request.num_computed_tokens + 1)
-        return joined
+    def accept_draft(self, request: Request, token: int) -> None:
+        """A verified draft (the request's last token already) is computed now, and the token sampled after it joins
+        the request. (The rejected drafts' KV is garbage, overwritten by later steps; the drafter returns the blocks
+        only they took.)"""
+        request.num_computed_tokens += 1
+        self.kv.cache_full_blocks(request)
+        self._append(request, token)
 
     def _append(self, request: Request, token: int) -> None:
         """A sampled token joins the request; a stop token or its length finishes it."""

@@ -24,6 +24,7 @@ from backend.engine.request import Request
 from backend.engine.runner import ModelRunner, PromptScoring, SequenceChunk, StepOutput
 from backend.engine.sampler import SampledToken, sample
 from backend.engine.scheduler import ScheduledRequest
+from backend.engine.structured_outputs import grammars_ahead
 from backend.engine.workers import RankFailedError
 from npu_llm_kernels.timing import scope
 
@@ -117,7 +118,8 @@ class StepRunner:
             drafts = [s.drafts[position + 1] if position + 1 < s.num_drafts else None for s, _ in alive]
             ahead = [[output.sampled[r.request_id].token_id] + [t.token_id for t in output.bonus.get(r.request_id, ())]
                      for r in requests]
-            sampled = self._sample(requests, logits, drafts, output.bonus_failures, ahead)
+            with grammars_ahead(requests, ahead):  # (constrained rows: masked as after the drafts kept)
+                sampled = self._sample(requests, logits, drafts, output.bonus_failures, ahead)
             still = []
             for (s, row), draft in zip(alive, drafts):
                 token = sampled.get(s.request.request_id)

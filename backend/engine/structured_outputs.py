@@ -16,6 +16,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 
 import torch
 
@@ -65,6 +66,22 @@ class SequenceGrammar:
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept_token(token_id):
             raise RuntimeError(f"token {token_id} does not follow the request's grammar")
+
+    def valid_drafts(self, tokens: list[int]) -> int:
+        """How many of the draft tokens, in order, the grammar takes from where it is, short of the one that would
+        complete it (after which nothing may be sampled); the matcher is left where it was (vLLM checks drafts so)."""
+        taken = 0
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            taken += 1
+            if self.matcher.is_terminated():
+                self.matcher.rollback(1)
+                taken -= 1
+                break
+        if taken:
+            self.matcher.rollback(taken)
+        return taken
 
 
 class StructuredOutputs:
@@ -159,6 +176,23 @@ def _failed_unexpectedly(future: Future) -> bool:
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar matching exactly one of the strings (JSON string escapes are xgrammar's escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@contextmanager
+def grammars_ahead(requests: list, ahead: list[list[int]]):
+    """For the block, each constrained request's matcher past the tokens ahead of it (verified drafts, which it
+    takes: they were checked), so that the rows sampled after them are masked as they will be; then put back."""
+    advanced = []
+    try:
+        for request, tokens in zip(requests, ahead):
+            if request.grammar is not None and tokens:
+                for token in tokens:
+                    request.grammar.accept(token)
+                advanced.append((request.grammar, len(tokens)))
+        yield
+    finally:
+        for grammar, count in advanced:
+            grammar.matcher.rollback(count)
 
 
 def apply_grammars(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:

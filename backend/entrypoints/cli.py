@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     spec.add_argument("--output-len", type=int, default=128, help="max_tokens (greedy, stops at EOS)")
     spec.add_argument("--repeats", type=int, default=2, help="plain and speculative runs, interleaved")
+    spec.add_argument("--deepen", type=int, default=1, metavar="N",
+                      help="the model drafts for a target built from it, N times as deep (its copied layers' outputs "
+                           "scaled down): a draft model's speed-up without a second checkpoint")
     spec.set_defaults(func=_cmd_bench_spec)
     moe = kinds.add_parser("moe", help="one MoE layer's experts: the fused CPU kernel vs. the per-expert loop")
     moe.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])

@@ -2,8 +2,9 @@
 drafts are counted (vLLM's spec-decode metrics, vllm:spec_decode_*), and the proposer drafts each request's next
 ones; the blocks the rejected drafts took go back.
 
-A request is drafted for when it decodes next and has no grammar (a draft would have to pass its matcher first), at
-most as many tokens as max_tokens leaves it. A proposer's failure costs speed alone: the step
+A request is drafted for when it decodes next, at most as many tokens as max_tokens leaves it; with a grammar, the
+drafts are cut at the first its matcher refuses (and before one that would complete it), and each kept token is
+the matcher's before it joins the request. A proposer's failure costs speed alone: the step
 drafts nothing and the requests decode a token a step.
 
 Greedy requests keep a draft exactly when it is their argmax, so their tokens are those of decoding without drafts
@@ -77,10 +78,17 @@ class Drafter:
             if request.request_id in result.bonus_failures and not request.finished:
                 fail_sequence(request, result.bonus_failures[request.request_id])
         for request in advanced:
-            tokens = result.bonus.get(request.request_id)
-            if tokens and not request.finished:  # (a sibling's failure ends it)
-                joined = scheduler.accept_drafts(request, [t.token_id for t in tokens])
-                new_tokens[request.request_id] += tokens[:joined]
+            for token in result.bonus.get(request.request_id, ()):
+                if request.finished:  # (a stop, its length, or a sibling's failure ended it)
+                    break
+                if request.grammar is not None:
+                    try:
+                        request.grammar.accept(token.token_id)
+                    except Exception as e:
+                        fail_sequence(request, e)
+                        break
+                scheduler.accept_draft(request, token.token_id)
+                new_tokens[request.request_id].append(token)
         self._propose(scheduled, result.starts, result.forward)
 
     def _record(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
@@ -117,12 +125,15 @@ class Drafter:
                 log.exception("the %s proposer failed; this step drafts nothing", type(self.proposer).__name__)
                 drafts = [[] for _ in kept]
             for p, tokens in zip(kept, drafts):
-                p.request.draft_token_ids = list(tokens[:p.num_wanted])
+                tokens = list(tokens[:p.num_wanted])
+                if p.request.grammar is not None:
+                    tokens = tokens[:p.request.grammar.valid_drafts(tokens)]
+                p.request.draft_token_ids = tokens
         for p in kept:
             self.kv.trim(p.request, p.request.num_computed_tokens + 1 + len(p.request.draft_token_ids))
 
     def _num_wanted(self, request: Request) -> int:
-        if request.grammar is not None or request.num_computed_tokens != len(request.token_ids) - 1:
+        if request.num_computed_tokens != len(request.token_ids) - 1:
             return 0
         # (as many as it has tokens left: the token after the last draft is then cut by max_tokens, as vLLM's is)
         return max(0, min(self.k, request.max_tokens - request.num_output_tokens))

@@ -3,15 +3,25 @@
 each batch size, greedy. Two engines in one process, the same model and prompts, runs interleaved so that the
 machine's drift hits both. Each run's tokens/s counts its own tokens: in fp32 the outputs are the same, in bf16
 a verification's attention (a short prefill chunk) rounds otherwise than a decode's and a near-tie can go the other
-way, so the share of identical outputs is reported. One JSON line; only the ratios mean anything across machines."""
+way, so the share of identical outputs is reported. One JSON line; only the ratios mean anything across machines.
+
+With --deepen N the model drafts for a target built from it, N times as deep (deepened): each layer followed by N - 1
+copies whose outputs are scaled down, so the target costs N times the draft model's compute and mostly agrees with
+it, as a draft model distilled from its target does. No second checkpoint of the same vocabulary is needed."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
 
 from backend.config import EngineConfig
 from backend.engine.llm import LLM
 from backend.engine.sampling_params import SamplingParams
+from backend.models.registry import resolve_model
 
 # n-gram's usual setting for copy work: drafts from suffixes of 2 to 4 tokens, 4 tokens at a time
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -45,6 +55,33 @@ def copy_conversations(n: int) -> list[list[dict]]:
             for i in range(n)]
 
 
+def deepened(model: str, out: Path, depth: int, scale: float = 0.05) -> Path:
+    """A Llama-family model folder `depth` times as deep as `model`: after each layer, depth - 1 copies of it whose
+    attention and MLP outputs (o_proj, down_proj) are scaled by `scale`. The tokenizer files come along."""
+    source = resolve_model(model)
+    config = json.loads((source / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    tensors = {}
+    for path in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    deep = {}
+    for key, tensor in tensors.items():
+        if not key.startswith("model.layers."):
+            deep[key] = tensor
+            continue
+        index, rest = key.removeprefix("model.layers.").split(".", 1)
+        for copy in range(depth):
+            scaled = copy and rest.endswith(("o_proj.weight", "down_proj.weight"))
+            deep[f"model.layers.{int(index) * depth + copy}.{rest}"] = tensor * scale if scaled else tensor.clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in deep.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers * depth}))
+    for name in source.iterdir():
+        if name.suffix != ".safetensors" and name.name != "config.json" and name.is_file():
+            shutil.copy(name, out / name.name)
+    return out
+
+
 def _timed(llm: LLM, conversations, params) -> tuple[float, list[list[int]]]:
     llm.reset_prefix_cache()  # (each run computes its prompts)
     start = time.perf_counter()
@@ -56,10 +93,22 @@ def run_spec_bench(args) -> dict:
     config = EngineConfig.from_cli_args(args)
     spec = config.speculative_config or DEFAULT_SPEC
     config.speculative_config = None
+    if args.deepen > 1:  # the model drafts for a target built from it, deepen times as deep
+        folder = Path(tempfile.mkdtemp(prefix="npu-llm-spec-bench-"))
+        spec = {"model": config.model, "num_speculative_tokens": spec.get("num_speculative_tokens", 4)}
+        config.model = str(deepened(config.model, folder / "target", args.deepen))
+    try:
+        return _run(config, spec, args)
+    finally:
+        if args.deepen > 1:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(config: EngineConfig, spec: dict, args) -> dict:
     plain = LLM(**config.to_dict())
     drafting = LLM(**{**config.to_dict(), "speculative_config": spec})
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    result = {"model": plain.engine.config.model, "device": plain.engine.engine_info().device,
+    result = {"model": plain.engine.config.model, "deepen": args.deepen, "device": plain.engine.engine_info().device,
               "dtype": plain.engine.engine_info().dtype, "speculative_config": drafting.engine.config.speculative_config,
               "output_len": args.output_len, "batches": []}
     for batch in args.batch_sizes:
