@@ -272,7 +272,7 @@ def make_eagle_head(target_dir, path, method: str, aux_layers: list[int] | None 
 
     target = json.loads((Path(target_dir) / "config.json").read_text())
     h, heads, kv_heads = target["hidden_size"], target["num_attention_heads"], target["num_key_value_heads"]
-    head_dim, inter, vocab = h // heads, target["intermediate_size"], target["vocab_size"]
+    head_dim, inter, vocab = target.get("head_dim") or h // heads, target["intermediate_size"], target["vocab_size"]
     g = torch.Generator().manual_seed(11)
 
     def w(*shape):

@@ -88,6 +88,21 @@ def test_greedy_tokens_with_eagle_heads_are_those_without(method, llama_with_hea
     assert stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
 
 
+def test_an_eagle3_head_is_a_plain_llama_layer_whatever_the_target(tmp_path, default_model_dir):
+    """vLLM builds a head's layer as Llama's: on a Qwen3 target (q/k norms in every layer) the head has none and
+    loads from a checkpoint without them; greedy tokens are the target's own."""
+    target = make_tiny_model("qwen3", tmp_path / "qwen3", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    head = make_eagle_head(target, tmp_path / "head", "eagle3", aux_layers=[1, 2, 3])
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[2:]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    args = dict(model=str(target), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=16)
+    with LLM(**args) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with LLM(**args, speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.engine.model.draft_head.self_attn.q_norm is None and llm.engine.stats().spec_decode.num_drafts > 0
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_eagle_heads_draft_what_vllms_formulas_give(method, llama_with_heads, default_model_dir):
     """The three drafts after a prompt's prefill equal those of the head's formulas computed here apart, in plain
@@ -204,6 +219,21 @@ def test_greedy_tokens_with_drafts_are_those_without(method, v3_with_mtp, other_
     per_position = spec_stats.num_accepted_tokens_per_pos
     assert sum(per_position) == spec_stats.num_accepted_tokens and per_position == sorted(per_position, reverse=True)
     assert stats.num_generation_tokens == len(prompts) * 48  # (a step yields several tokens: all counted once)
+
+
+def test_blocks_a_finished_request_leaves_in_the_prefix_cache_hold_the_draft_models_kv(tiny_llama_dir, default_model_dir):
+    """A request that ends on its first token leaves its prompt's blocks in the prefix cache; the draft model's KV
+    there is written too (its last step's positions are run after it finished), so a later request that hits them
+    drafts as well as one that computed them: a model drafting for itself is then always right."""
+    spec = {"model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    prompt = {"prompt_token_ids": _prompts()[2][:64]}
+    with LLM(model=str(tiny_llama_dir), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
+             num_kv_blocks=16, speculative_config=spec) as llm:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        stats = llm.engine.stats()
+    assert stats.prefix_cache_hit_rate > 0.3
+    assert 0 < stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp", "draft_model (the target itself)"])

@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 MTP_METHODS = ("deepseek_mtp", "mtp")  # vLLM's names for drafting with the checkpoint's MTP layer
 EAGLE_METHODS = ("eagle", "eagle3")  # a draft head from its own folder (speculative_config.model)
 SPECULATIVE_METHODS = ("ngram", "draft_model", *EAGLE_METHODS, *MTP_METHODS)
-# A verification runs num_speculative_tokens + 1 query tokens per request; the NPU's fused attention takes at most 16
-# query tokens per sequence where it verifies drafts (docs/npu.md), and vLLM's rejection sampler at most 32.
+# A verification runs num_speculative_tokens + 1 query tokens per request, through the attention that chunked prefill
+# takes; beyond a few the drafts' acceptance falls off and a verification costs more than it yields (vLLM's rejection
+# sampler takes at most 32). npu-llm's bound.
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults when neither prompt_lookup bound is given ("arbitrarily chosen", its comment says)
 DEFAULT_PROMPT_LOOKUP = 5

@@ -42,12 +42,15 @@ class RunnerOutput:
     bonus: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # the prompt tokens scored
     failures: dict[str, BaseException] = field(default_factory=dict)  # sequences whose sampling failed
-    # sequences whose token after a verified draft failed: their failure, once the tokens before it are theirs
+    # sequences whose token after a verified draft failed: their failure, once the tokens before it are theirs (unless
+    # those ended the sequence)
     bonus_failures: dict[str, BaseException] = field(default_factory=dict)
     error: BaseException | None = None  # the forward pass failed: so did every scheduled request
     device_error: RuntimeError | None = None  # and it failed MAX_FAILED_STEPS times in a row: the engine stops
     forward: StepOutput | None = None  # the forward pass's output (the drafter's pass reads its hidden states)
     starts: list[int] = field(default_factory=list)  # each scheduled request's num_computed_tokens before the step
+    # each scheduled request's block table as the step ran it (still there for a request the step finished and freed)
+    tables: list[list[int]] = field(default_factory=list)
 
 
 class StepRunner:
@@ -57,8 +60,10 @@ class StepRunner:
 
     def execute_and_sample(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         output = RunnerOutput(starts=[s.request.num_computed_tokens for s in scheduled])
+        chunks = [self._chunk(s) for s in scheduled]
+        output.tables = [c.block_ids for c in chunks]
         try:
-            output.forward = forward = self.runner.execute([self._chunk(s) for s in scheduled])
+            output.forward = forward = self.runner.execute(chunks)
         except RankFailedError:
             raise  # without every rank no step can run: the engine stops
         except Exception as e:

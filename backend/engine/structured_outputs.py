@@ -182,17 +182,19 @@ def choice_grammar(choices: list[str]) -> str:
 def grammars_ahead(requests: list, ahead: list[list[int]]):
     """For the block, each constrained request's matcher past the tokens ahead of it (verified drafts, which it
     takes: they were checked), so that the rows sampled after them are masked as they will be; then put back."""
-    advanced = []
+    advanced: list[list] = []  # [grammar, tokens it took], counted as it takes them
     try:
         for request, tokens in zip(requests, ahead):
             if request.grammar is not None and tokens:
+                advanced.append([request.grammar, 0])
                 for token in tokens:
                     request.grammar.accept(token)
-                advanced.append((request.grammar, len(tokens)))
+                    advanced[-1][1] += 1
         yield
     finally:
         for grammar, count in advanced:
-            grammar.matcher.rollback(count)
+            if count:
+                grammar.matcher.rollback(count)
 
 
 def apply_grammars(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:

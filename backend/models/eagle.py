@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from backend.models.architectures import head_dim_of
 from backend.models.layers import MLP, Linear, RMSNorm, VocabParallelEmbedding
 from backend.models.llama import Attention, DecoderLayer
 
@@ -31,9 +32,22 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return 2, num_layers // 2, num_layers - 3
 
 
+def head_layer_config(target, head):
+    """The head's decoder layer as vLLM builds it: a dense Llama layer at the target's dimensions, whatever the
+    target's family (no q/k norms, no experts), with the head's own MLP width and attention bias."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
+                       num_key_value_heads=target.num_key_value_heads, head_dim=head_dim_of(target),
+                       intermediate_size=getattr(head, "intermediate_size", None) or target.intermediate_size,
+                       rms_norm_eps=getattr(head, "rms_norm_eps", target.rms_norm_eps), vocab_size=target.vocab_size,
+                       attention_bias=bool(getattr(head, "attention_bias", False)), num_hidden_layers=1,
+                       max_position_embeddings=target.max_position_embeddings)
+
+
 class EagleHead(DecoderLayer):
     def __init__(self, config, head_config, index: int, ops: ModuleType):
-        super().__init__(_with_mlp_of(config, head_config), index, ops)
+        super().__init__(head_layer_config(config, head_config), index, ops)
         hidden = config.hidden_size
         self.fc = Linear(2 * hidden, hidden, False, ops)
         self.input_layernorm = nn.Identity()  # (EAGLE's first layer has none: vLLM and the EAGLE code skip it)
@@ -51,16 +65,16 @@ class EagleHead(DecoderLayer):
 class Eagle3Head(nn.Module):
     def __init__(self, config, head_config, ops: ModuleType, own_embedding: bool):
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        layer = head_layer_config(config, head_config)
+        hidden, eps = layer.hidden_size, layer.rms_norm_eps
         self.fc = Linear(3 * hidden, hidden, False, ops)
         self.input_layernorm = RMSNorm(hidden, eps, ops)
         self.hidden_norm = RMSNorm(hidden, eps, ops)
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(layer, ops)
         # the attention reads the embedding and the hidden state side by side
-        self.self_attn.qkv_proj = Linear(2 * hidden, self.self_attn.qkv_proj.out_features,
-                                         bool(getattr(head_config, "attention_bias", False)), ops)
+        self.self_attn.qkv_proj = Linear(2 * hidden, self.self_attn.qkv_proj.out_features, layer.attention_bias, ops)
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
-        self.mlp = MLP(_with_mlp_of(config, head_config), ops)
+        self.mlp = MLP(layer, ops)
         self.norm = RMSNorm(hidden, eps, ops)
         draft_vocab = int(getattr(head_config, "draft_vocab_size", None) or config.vocab_size)
         self.lm_head = Linear(hidden, draft_vocab, False, ops)
@@ -79,16 +93,6 @@ class Eagle3Head(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor, target_logits) -> torch.Tensor:
         draft_ids = self.lm_head(self.norm(hidden)).argmax(-1)
         return draft_ids + self.d2t[draft_ids]
-
-
-def _with_mlp_of(config, head_config):
-    """The target's config with the head's MLP width (a head may be narrower or wider than the target's layers)."""
-    size = getattr(head_config, "intermediate_size", None)
-    if size is None or size == config.intermediate_size:
-        return config
-    merged = type(config).from_dict(config.to_dict())
-    merged.intermediate_size = size
-    return merged
 
 
 class HeadCheckpoint:

@@ -15,7 +15,7 @@ from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_o
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.eagle import Eagle3Head, EagleHead, HeadCheckpoint
-from backend.models.mtp import attach_mtp
+from backend.models.mtp import MultiTokenPredictor, attach_mtp
 from backend.models.quantization import (
     PACKED_SHAPE, SYMMETRIC_ZERO_POINTS, CompressedTensors, ModelSlim, UnsupportedQuantization, as_loaded,
     check_scales, fold_modelslim, folded_into_quant_bias, quantization_of, quantize_layers, unpack_weights,
@@ -253,12 +253,13 @@ def _load_head(module: LlamaForCausalLM, params, unfilled, head: HeadCheckpoint)
 
 
 def _beyond_the_model(module: LlamaForCausalLM, key: str) -> bool:
-    """A layer the checkpoint carries and the model does not run (a multi-token-prediction layer, unless it drafts),
-    or the prediction layer's copy of the embedding (the model's own serves it)."""
+    """A layer the checkpoint carries and the model does not run (a multi-token-prediction layer, unless it drafts:
+    an EAGLE head in its place comes from its own folder), or the prediction layer's copy of the embedding (the
+    model's own serves it)."""
     if not key.startswith("model.layers."):
         return False
     index, config = int(key.split(".")[2]), module.config
-    if index == config.num_hidden_layers and module.draft_head is not None:
+    if index == config.num_hidden_layers and isinstance(module.draft_head, MultiTokenPredictor):
         return key.endswith(".embed_tokens.weight")
     return config.num_hidden_layers <= index < config.num_hidden_layers + extra_layers_of(config)
 

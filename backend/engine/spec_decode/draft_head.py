@@ -22,7 +22,7 @@ class DraftHeadProposer:
         for p in kept:
             request, num_kept = p.request, p.request.num_computed_tokens - p.start
             chunks.append(DraftChunk(request.token_ids[p.start + 1 : p.start + num_kept + 1], p.start,
-                                     self.kv.block_ids(request), list(range(p.first_row, p.first_row + num_kept)),
+                                     p.block_ids, list(range(p.first_row, p.first_row + num_kept)),
                                      p.num_wanted > 0))
         tokens, hidden = self.runner.draft(chunks, forward.hidden)
         drafting = [p for p in kept if p.num_wanted]
@@ -34,7 +34,7 @@ class DraftHeadProposer:
             if not going:
                 break
             step = [DraftChunk([drafts[id(p)][-1]], p.request.num_computed_tokens - 1 + j,
-                               self.kv.block_ids(p.request), [rows[id(p)]], True) for p in going]
+                               p.block_ids, [rows[id(p)]], True) for p in going]
             tokens, hidden = self.runner.draft(step, hidden)
             for row, (p, token) in enumerate(zip(going, tokens)):
                 drafts[id(p)].append(token)

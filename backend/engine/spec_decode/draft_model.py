@@ -25,7 +25,7 @@ class DraftModelProposer:
             # the new last token's position needs a slot (never at another's expense: no slot, no drafts)
             wants = bool(p.num_wanted) and self.kv.allocate(request, 1)
             end = request.num_computed_tokens + wants
-            chunks.append(SequenceChunk(request.token_ids[p.start : end], p.start, self.kv.block_ids(request), wants))
+            chunks.append(SequenceChunk(request.token_ids[p.start : end], p.start, p.block_ids, wants))
             if wants:
                 drafting.append(p)
         drafts = {id(p): [token] for p, token in zip(drafting, self._greedy(chunks))}
@@ -33,7 +33,7 @@ class DraftModelProposer:
             going = [p for p in drafting if p.num_wanted > j and self.kv.allocate(p.request, j + 1)]
             if not going:
                 break
-            step = [SequenceChunk([drafts[id(p)][-1]], p.request.num_computed_tokens + j, self.kv.block_ids(p.request))
+            step = [SequenceChunk([drafts[id(p)][-1]], p.request.num_computed_tokens + j, p.block_ids)
                     for p in going]
             for p, token in zip(going, self._greedy(step)):
                 drafts[id(p)].append(token)

@@ -52,6 +52,7 @@ class KeptPositions:
     start: int
     first_row: int | None  # with the step's hidden states: the row of position `start`
     num_wanted: int  # drafts to propose for its next step (0: it does not decode next)
+    block_ids: list[int]  # its block table (of a request the step finished: as the step ran it, its blocks freed)
 
 
 class Proposer(Protocol):
@@ -75,9 +76,6 @@ class Drafter:
         one fails the request); then the proposer drafts."""
         self._record(scheduled, result)
         for request in advanced:
-            if request.request_id in result.bonus_failures and not request.finished:
-                fail_sequence(request, result.bonus_failures[request.request_id])
-        for request in advanced:
             for token in result.bonus.get(request.request_id, ()):
                 if request.finished:  # (a stop, its length, or a sibling's failure ended it)
                     break
@@ -89,7 +87,10 @@ class Drafter:
                         break
                 scheduler.accept_draft(request, token.token_id)
                 new_tokens[request.request_id].append(token)
-        self._propose(scheduled, result.starts, result.forward)
+            # a token that failed to sample after those fails the request, unless they ended it first
+            if request.request_id in result.bonus_failures and not request.finished:
+                fail_sequence(request, result.bonus_failures[request.request_id])
+        self._propose(scheduled, result)
 
     def _record(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
         """Count the step's drafts, and those its samples verified (a draft holds while every one before it did)."""
@@ -107,30 +108,45 @@ class Drafter:
                 stats.num_accepted_tokens += 1
                 stats.num_accepted_tokens_per_pos[position] += 1
 
-    def _propose(self, scheduled: list[ScheduledRequest], starts: list[int], forward: StepOutput) -> None:
+    def _propose(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
         """Each request's next drafts (request.draft_token_ids), from the positions the step kept; then its blocks
         beyond those the next step needs are returned."""
-        kept = []
-        for i, (s, start) in enumerate(zip(scheduled, starts)):
+        kept, finished, forward = [], [], result.forward
+        for i, (s, start) in enumerate(zip(scheduled, result.starts)):
             request = s.request
             request.draft_token_ids = []
-            if request.finished or request.num_computed_tokens <= start:
+            if request.num_computed_tokens <= start:
                 continue
             first_row = forward.first_rows[i] if forward.first_rows is not None else None
-            kept.append(KeptPositions(request, start, first_row, self._num_wanted(request)))
+            if request.finished:
+                finished.append(KeptPositions(request, start, first_row, 0, result.tables[i]))
+            else:
+                kept.append(KeptPositions(request, start, first_row, self._num_wanted(request), result.tables[i]))
+        if finished and self.proposer.runs_every_position:
+            self._catch_up(finished, forward)
         if kept and (self.proposer.runs_every_position or any(p.num_wanted for p in kept)):
             try:
                 drafts = self.proposer.propose(kept, forward)
+                for p, tokens in zip(kept, drafts):
+                    tokens = list(tokens[:p.num_wanted])
+                    if p.request.grammar is not None:
+                        tokens = tokens[:p.request.grammar.valid_drafts(tokens)]
+                    p.request.draft_token_ids = tokens
             except Exception:  # a draft is an optimisation: without one the requests decode a token a step
                 log.exception("the %s proposer failed; this step drafts nothing", type(self.proposer).__name__)
-                drafts = [[] for _ in kept]
-            for p, tokens in zip(kept, drafts):
-                tokens = list(tokens[:p.num_wanted])
-                if p.request.grammar is not None:
-                    tokens = tokens[:p.request.grammar.valid_drafts(tokens)]
-                p.request.draft_token_ids = tokens
+                for p in kept:
+                    p.request.draft_token_ids = []
         for p in kept:
             self.kv.trim(p.request, p.request.num_computed_tokens + 1 + len(p.request.draft_token_ids))
+
+    def _catch_up(self, finished: list[KeptPositions], forward: StepOutput) -> None:
+        """The proposer's own KV at the positions a request's last step computed: its full blocks are in the prefix
+        cache now, and a later hit on them reads that KV. Run apart and first, before any allocation for drafts
+        could hand the freed blocks to another request."""
+        try:
+            self.proposer.propose(finished, forward)
+        except Exception:  # (its KV there is then stale: later drafts from those blocks are worse, never wrong)
+            log.exception("the %s proposer failed on finished requests' last positions", type(self.proposer).__name__)
 
     def _num_wanted(self, request: Request) -> int:
         if request.num_computed_tokens != len(request.token_ids) - 1:

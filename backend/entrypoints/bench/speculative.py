@@ -56,8 +56,9 @@ def copy_conversations(n: int) -> list[list[dict]]:
 
 
 def deepened(model: str, out: Path, depth: int, scale: float = 0.05) -> Path:
-    """A Llama-family model folder `depth` times as deep as `model`: after each layer, depth - 1 copies of it whose
-    attention and MLP outputs (o_proj, down_proj) are scaled by `scale`. The tokenizer files come along."""
+    """A Llama model folder `depth` times as deep as `model`: after each layer, depth - 1 copies of it whose attention
+    and MLP outputs (o_proj, down_proj) are scaled by `scale`, in one safetensors file. The tokenizer files come
+    along (not the source's weights or their index). Per-layer lists some families' configs carry are not scaled."""
     source = resolve_model(model)
     config = json.loads((source / "config.json").read_text())
     layers = config["num_hidden_layers"]
@@ -77,7 +78,7 @@ def deepened(model: str, out: Path, depth: int, scale: float = 0.05) -> Path:
     save_file({k: v.contiguous() for k, v in deep.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers * depth}))
     for name in source.iterdir():
-        if name.suffix != ".safetensors" and name.name != "config.json" and name.is_file():
+        if name.is_file() and not name.name.startswith("model.safetensors") and name.name != "config.json":
             shutil.copy(name, out / name.name)
     return out
 
