@@ -47,6 +47,29 @@ def _methods(v3, other):
 METHODS = ["ngram", "mtp", "draft_model (the target itself)", "draft_model (another model)"]
 
 
+def test_another_requests_draft_slots_are_taken_back_before_anything_is_preempted():
+    """Two decoding requests in 4 blocks of 4 tokens: the second holds a block for its drafts only. When the first
+    needs a new block, the second's drafts and that block are taken back, and neither request is preempted."""
+    from backend.engine.kv_cache import KVCacheManager
+    from backend.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(4, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    first, second = (Request(str(i), prompt, SamplingParams(temperature=0), 8, ()) for i, prompt in
+                     enumerate(([1, 2, 3, 4], [5, 6, 7])))
+    for request in (first, second):
+        scheduler.add(request)
+    scheduled = scheduler.schedule()  # both prompts: one block each
+    scheduler.update_from_output(scheduled, {"0": 9, "1": 9})  # first: 5 tokens, 4 computed; second: 4, 3
+    kv.allocate(second, 4)  # its next drafts' slots, as the drafter takes them: a second block
+    second.draft_token_ids = [1, 2, 3]
+    assert kv.num_free_blocks == 1
+    kv.allocate(Request("other", [0] * 4, SamplingParams(), 1, ()), 4)  # someone else holds the last free block
+    scheduled = scheduler.schedule()  # first's fifth token needs a new block: only the drafts' one can be had
+    assert [(s.request.request_id, s.num_drafts) for s in scheduled] == [("0", 0), ("1", 0)]
+    assert scheduler.num_preemptions == 0 and second.draft_token_ids == []
+
+
 @pytest.mark.parametrize("tokens,k,min_n,max_n,drafts", [
     ([1, 2, 3, 4, 2, 3], 4, 2, 3, [4, 2, 3]),  # vLLM's docstring: [4, 2, 3] unmatched, [2, 3] matched, 3 follow
     ([1, 2, 3, 9, 1, 2, 3, 7, 2, 3], 2, 2, 3, [9, 1]),  # the longest match wins, at its earliest place

@@ -297,7 +297,8 @@ class LLMEngine:
         if not scheduled:
             self.structured_outputs.wait_while_compiling(GRAMMAR_WAIT_S)
         elif self.profiler is not None and self.profiler.active:
-            decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1)
+            # (a decode verifying drafts counts as a decode of its k + 1 tokens)
+            decode_tokens = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens - s.num_drafts == 1)
             self.profiler.step_done(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens,
                                     time.perf_counter() - started)
 

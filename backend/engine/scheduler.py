@@ -125,6 +125,8 @@ class Scheduler:
                 if drafts:  # a draft's slot is never worth a preemption
                     num_new, drafts = num_new - len(drafts), ()
                     continue
+                if self._drop_drafts(self.running[i + 1:]):  # (nor another's, not scheduled yet)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -185,6 +187,16 @@ class Scheduler:
                 adapters.add(request.lora_int_id)
         self.waiting.extendleft(reversed(passed_over))
         return scheduled
+
+    def _drop_drafts(self, requests: list[Request]) -> bool:
+        """Take back the drafts of these requests and the blocks only their slots took (the drafter allocates a
+        request's next drafts with it); whether any block came back."""
+        before = self.kv.num_free_blocks
+        for request in requests:
+            if request.draft_token_ids:
+                request.draft_token_ids = []
+                self.kv.trim(request, request.num_computed_tokens + 1)
+        return self.kv.num_free_blocks > before
 
     def _lora_full(self, request: Request, adapters: set[int]) -> bool:
         """Its adapter would be one more than max_loras among the running requests (as vLLM's scheduler skips it;
