@@ -92,9 +92,11 @@ def unavailable_reason() -> str | None:
 # that kernel is not built, oneDNN's bf16 packing takes up to 3 rows with AVX-512 (measured 1.2-2.4x faster than
 # fp32 on a Xeon without bf16 hardware), and torch's own bf16 F.linear 1 row without (1.25-1.6x faster than
 # fp32-packed weights there, level at 2 rows and slower above). From 5 rows the AVX2 kernel takes the rows 4 at a
-# time on each stripe of weights (a speculative verification's k + 1 positions): on a Zen 3 it was 1.3-1.45x faster
-# than fp32-packed weights at 5 to 8 rows, level at 12 to 16 and slower from 20.
+# time on each stripe of weights (a speculative verification's k + 1 positions): at level avx2, on a Zen 3, it was
+# 1.3-1.45x faster than fp32-packed weights at 5 to 8 rows, level at 12 to 16 and slower from 20. At level avx512
+# (oneDNN's fp32 GEMM in AVX-512) those calls were not measured, and keep the fp32-packed weights from 5 rows.
 FEW_ROWS_AVX2_KERNEL = 9
+FEW_ROWS_AVX2_KERNEL_AVX512 = 5
 FEW_ROWS = 4
 FEW_ROWS_TORCH_BF16 = 2
 
@@ -120,7 +122,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     fp32 = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
     if _avx2_linear():
-        fp32.few_rows, fp32.few_rows_below = weight.contiguous(), FEW_ROWS_AVX2_KERNEL
+        fp32.few_rows = weight.contiguous()
+        fp32.few_rows_below = FEW_ROWS_AVX2_KERNEL if features.level == "avx2" else FEW_ROWS_AVX2_KERNEL_AVX512
     elif features.onednn_bf16:
         fp32.few_rows = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         fp32.few_rows_below = FEW_ROWS
