@@ -95,19 +95,8 @@ def test_greedy_tokens_with_eagle_heads_are_those_without(method, llama_with_hea
     without drafts, through chunked prefill, prefix-cache hits and preemption, every block back in the pool."""
     target, eagle, eagle3 = llama_with_heads
     spec = {"method": method, "model": str(eagle if method == "eagle" else eagle3), "num_speculative_tokens": 3}
-    prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    args = dict(model=str(target), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
-                num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=4)
-    with LLM(**args) as plain:
-        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    with LLM(**args, speculative_config=spec) as drafting:
-        outputs = drafting.generate(prompts, params)
-        stats = drafting.engine.stats()
-        assert drafting.engine.kv.num_free_blocks == 16
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
-    assert stats.spec_decode.num_draft_tokens > 3 * len(prompts)
+    stats = _greedy_with_and_without(target, spec, 32, 16, default_model_dir)
+    assert stats.spec_decode.num_draft_tokens > 3 * len(_prompts())
     assert stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
 
 
@@ -208,6 +197,25 @@ def _reference_drafts(target_dir, head_dir, method: str, prompt: list[int], k: i
     return drafts
 
 
+def _greedy_with_and_without(model, spec: dict, max_tokens: int, num_kv_blocks: int, tokenizer):
+    """_prompts() greedy with and without drafting, through chunked prefill (a 32-token budget), prefix-cache hits
+    and preemption (few blocks): the same tokens, every block back after. The drafting engine's stats."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    assert max(len(p) for p in _prompts()) > 32
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    args = dict(model=str(model), tokenizer=str(tokenizer), dtype="float32", block_size=16,
+                num_kv_blocks=num_kv_blocks, max_num_batched_tokens=32, max_num_seqs=4)
+    with LLM(**args) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with LLM(**args, speculative_config=spec) as drafting:
+        outputs = drafting.generate(prompts, params)
+        stats = drafting.engine.stats()
+        assert drafting.engine.kv.num_free_blocks == num_kv_blocks
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+    return stats
+
+
 def _prompts():
     rng = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 500, (40,), generator=rng).tolist()
@@ -217,21 +225,8 @@ def _prompts():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_tokens_with_drafts_are_those_without(method, v3_with_mtp, other_llama, default_model_dir):
-    spec = _methods(v3_with_mtp, other_llama)[method]
-    prompts = [{"prompt_token_ids": p} for p in _prompts()]
     # (48 tokens: the tiny model falls into a loop of 13 after about 26, which n-gram then drafts)
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    args = dict(model=str(v3_with_mtp), tokenizer=str(default_model_dir), dtype="float32", block_size=16,
-                num_kv_blocks=18, max_num_batched_tokens=32, max_num_seqs=4)
-    with LLM(**args) as plain:
-        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    with LLM(**args, speculative_config=spec) as drafting:
-        outputs = drafting.generate(prompts, params)
-        stats = drafting.engine.stats()
-        assert drafting.engine.kv.num_free_blocks == 18
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
-    assert max(len(p) for p in _prompts()) > 32  # chunked prefill
+    stats = _greedy_with_and_without(v3_with_mtp, _methods(v3_with_mtp, other_llama)[method], 48, 18, default_model_dir)
     spec_stats = stats.spec_decode
     if method == "draft_model (the target itself)":  # its drafts are the target's argmax: its KV must be right
         assert 0 < spec_stats.num_accepted_tokens == spec_stats.num_draft_tokens
@@ -241,7 +236,7 @@ def test_greedy_tokens_with_drafts_are_those_without(method, v3_with_mtp, other_
         assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
     per_position = spec_stats.num_accepted_tokens_per_pos
     assert sum(per_position) == spec_stats.num_accepted_tokens and per_position == sorted(per_position, reverse=True)
-    assert stats.num_generation_tokens == len(prompts) * 48  # (a step yields several tokens: all counted once)
+    assert stats.num_generation_tokens == len(_prompts()) * 48  # (a step yields several tokens: all counted once)
 
 
 def test_blocks_a_finished_request_leaves_in_the_prefix_cache_hold_the_draft_models_kv(tiny_llama_dir, default_model_dir):
