@@ -254,6 +254,14 @@ def test_blocks_a_finished_request_leaves_in_the_prefix_cache_hold_the_draft_mod
     assert 0 < stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
 
 
+def test_glm45s_mtp_layer_drafts_k_tokens_too(tmp_path, default_model_dir):
+    """GLM-4.5's checkpoints carry the same kind of MTP layer (num_nextn_predict_layers): two tokens a step, and
+    the greedy tokens are those without."""
+    model = add_mtp_layer(make_tiny_model("glm4_moe", tmp_path / "glm", num_nextn_predict_layers=1))
+    stats = _greedy_with_and_without(model, {"method": "mtp", "num_speculative_tokens": 2}, 32, 18, default_model_dir)
+    assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
+
+
 @pytest.mark.parametrize("method", ["ngram", "mtp", "draft_model (the target itself)"])
 def test_sampled_tokens_keep_the_target_distribution(method, v3_with_mtp, other_llama, default_model_dir):
     """3000 seeded requests sample three tokens each (top-3, temperature 0.8) while drafting; the counts of the 27
