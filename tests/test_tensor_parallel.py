@@ -70,14 +70,19 @@ def test_moe_experts_sharded_or_spread_over_two_ranks_equal_one(arch, tmp_path, 
     assert stats.expert_load == [pairs]  # tensor parallel: both ranks serve every pair
     assert sum(spread_stats.expert_load) == pairs and len(spread_stats.expert_load) == 2
 
-def test_ngram_drafts_verified_over_two_ranks_equal_one(tiny_llama, default_model_dir):
-    """speculative_config with n-gram under tensor parallel: each verification runs k + 1 positions on both ranks,
-    and the tokens and logprobs are one process's without drafts; drafts were both kept and rejected."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+def test_drafts_verified_over_two_ranks_equal_one(tiny_llama, default_model_dir):
+    """speculative_config under tensor parallel: each verification runs k + 1 positions on both ranks, and the tokens
+    and logprobs are one process's without drafts. n-gram's drafts were both kept and rejected; a draft model (here
+    the target itself, unsharded on rank 0 with its own KV under the sharded target's block tables) was always right."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     alone, _ = _generate(tiny_llama, default_model_dir, 1)
-    sharded, stats = _generate(tiny_llama, default_model_dir, 2, speculative_config=spec)
+    sharded, stats = _generate(tiny_llama, default_model_dir, 2, speculative_config=ngram)
     _assert_same(alone, sharded)
     assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
+    drafted, stats = _generate(tiny_llama, default_model_dir, 2,
+                               speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 3})
+    _assert_same(alone, drafted)
+    assert 0 < stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
 
 
 def _assert_same(alone, sharded) -> None:
