@@ -85,6 +85,20 @@ def test_drafts_verified_over_two_ranks_equal_one(tiny_llama, default_model_dir)
     assert 0 < stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
 
 
+def test_mtp_drafts_over_two_ranks_equal_one(tmp_path, default_model_dir):
+    """DeepSeek V3's MTP layer (latent attention, experts) drafting 2 tokens under tensor parallel: the head is a
+    layer of the sharded model, its pass made on every rank over the hidden states each kept; tokens and logprobs
+    are one process's without drafts, and drafts were kept."""
+    from tests.conftest import add_mtp_layer
+
+    model_dir = add_mtp_layer(make_tiny_model("deepseek_v3", tmp_path / "v3"))
+    alone, _ = _generate(model_dir, default_model_dir, 1)
+    sharded, stats = _generate(model_dir, default_model_dir, 2,
+                               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    _assert_same(alone, sharded)
+    assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
+
+
 def _assert_same(alone, sharded) -> None:
     """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4; the same prompt logprobs (their
     top 2) within 1e-4."""

@@ -43,6 +43,9 @@ class ParallelRunner:
     def execute(self, chunks) -> StepOutput:
         return self._on_every_rank("execute", chunks)
 
+    def draft(self, chunks, source: str) -> list[int]:
+        return self._on_every_rank("draft", chunks, source)
+
     @property
     def lora(self):
         """Rank 0's adapters (the other ranks hold the same ones, their shards)."""

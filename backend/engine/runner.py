@@ -57,7 +57,7 @@ class DraftChunk:
     next_ids: list[int]
     num_computed: int
     block_ids: list[int]
-    hidden_rows: list[int]  # rows of the step's hidden states, one per position
+    hidden_rows: list[int]  # rows of the hidden states it reads (ModelRunner.draft's source), one per position
     wants_draft: bool  # it decodes next: draft its next token
 
 
@@ -68,14 +68,16 @@ class StepOutput:
     prompt_logprobs: list[list[dict[int, Logprob]] | None]
     # fp32 [drafts, vocab], where chunks carry drafts: the logits after each draft, chunk after chunk in their order
     draft_logits: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None  # with a draft head: what it reads of the step (the model's draft_inputs)
-    first_rows: list[int] | None = None  # with hidden: per chunk, in their order, the row of its first token
+    # with a draft head: per chunk, in their order, the row of its first token in the hidden states the head reads
+    # (which each rank keeps: ModelRunner.draft)
+    first_rows: list[int] | None = None
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, lora: LoRAManager | None = None):
         self.model = model
         self.lora = lora  # with enable_lora: the adapters this rank holds (backend/engine/lora_manager.py)
+        self._draft_sources: dict[str, torch.Tensor] = {}  # with a draft head: the hidden states its pass reads
         self.block_size = block_size
         self.device = torch.device(device)
         self.decode_graphs: DecodeGraphs | None = None
@@ -181,8 +183,9 @@ class ModelRunner:
         scored = [self._score_prompt(hidden, starts[i], c.prompt_scoring) if c.prompt_scoring else None
                   for i, c in enumerate(chunks)]
         drafting = self.model.draft_head is not None
+        if drafting:  # (what the draft head reads of this step, kept on this rank for its pass)
+            self._draft_sources = {"step": self.model.draft_inputs(hidden)}
         step = StepOutput(torch.empty(0, self.model.config.vocab_size, device=self.device), scored,
-                          hidden=self.model.draft_inputs(hidden) if drafting else None,
                           first_rows=[int(starts[i]) for i in range(len(chunks))] if drafting else None)
         if rows:
             with scope("forward"):
@@ -191,11 +194,13 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def draft(self, chunks: list[DraftChunk], hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    def draft(self, chunks: list[DraftChunk], source: str) -> list[int]:
         """The draft head's pass over the chunks (an MTP layer or an EAGLE head; its K/V land in its own cache
         layer): the drafted next token of each chunk that wants one (its argmax, as vLLM's proposers draft), in their
-        order, and the head's hidden states there (what it reads as the target's when it drafts the token after, as
-        vLLM recurses it). chunks[i].hidden_rows index `hidden`."""
+        order. chunks[i].hidden_rows index the hidden states this rank kept: source "step", those of the last
+        execute; "draft", the head's own at the last pass's drafting chunks, in their order (what it reads as the
+        target's when it drafts the token after, as vLLM recurses it). Made on every rank under tensor parallel."""
+        hidden = self._draft_sources[source]
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].next_ids) != 1)  # (decodes first)
         ordered = [SequenceChunk(chunks[i].next_ids, chunks[i].num_computed, chunks[i].block_ids) for i in order]
         query_lens = [len(c.token_ids) for c in ordered]
@@ -207,10 +212,8 @@ class ModelRunner:
             last = np.cumsum(query_lens) - 1
             where = {i: int(last[rank]) for rank, i in enumerate(order)}
             rows = [where[i] for i, c in enumerate(chunks) if c.wants_draft]
-            if not rows:
-                return [], drafted[:0]
-            drafted = drafted[torch.tensor(rows, device=self.device)]
-            return self.model.draft_tokens(drafted).tolist(), drafted
+            self._draft_sources["draft"] = drafted = drafted[torch.tensor(rows, dtype=torch.long, device=self.device)]
+            return self.model.draft_tokens(drafted).tolist() if rows else []
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Read the adapter into host memory now (ValueError naming what is wrong), so that a step never does."""

@@ -76,7 +76,7 @@ class Workers(ABC):
 
 
 # What a worker may be asked to run: ParallelRunner's calls.
-RUNNER_CALLS = frozenset({"allocate_kv_cache", "profile_run", "warm_up", "execute", "remove_lora"})
+RUNNER_CALLS = frozenset({"allocate_kv_cache", "profile_run", "warm_up", "execute", "draft", "remove_lora"})
 
 
 def share_cpu_threads(device_type: str, size: int) -> int:
@@ -98,9 +98,10 @@ def run_worker(config: EngineConfig, device: str, rank: int, size: int, init_met
     torch.set_num_threads(threads)
     platform = resolve_platform(device)
     tp, control = init_tensor_parallel(platform.name, rank, size, init_method)
+    spec = config.speculative
     model, _, _ = load_model(resolve_model(config.model), ops_for(platform.name), platform.device, config.dtype,
                              config.max_model_len, tp, config.enable_expert_parallel,
-                             quantization=config.quantization)
+                             mtp=spec is not None and spec.uses_mtp, quantization=config.quantization)
     runner = ModelRunner(model, 0, config.block_size, platform.device, LoRAManager.for_config(model, config))
     wait_until_all_loaded()
     with torch.inference_mode():

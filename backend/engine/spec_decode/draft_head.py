@@ -21,22 +21,19 @@ class DraftHeadProposer:
         chunks = []
         for p in kept:
             request, num_kept = p.request, p.request.num_computed_tokens - p.start
-            chunks.append(DraftChunk(request.token_ids[p.start + 1 : p.start + num_kept + 1], p.start,
-                                     p.block_ids, list(range(p.first_row, p.first_row + num_kept)),
-                                     p.num_wanted > 0))
-        tokens, hidden = self.runner.draft(chunks, forward.hidden)
+            chunks.append(DraftChunk(request.token_ids[p.start + 1 : p.start + num_kept + 1], p.start, p.block_ids,
+                                     list(range(p.first_row, p.first_row + num_kept)), p.num_wanted > 0))
         drafting = [p for p in kept if p.num_wanted]
-        drafts = {id(p): [token] for p, token in zip(drafting, tokens)}
-        rows = {id(p): row for row, p in enumerate(drafting)}  # each one's row of `hidden`
+        drafts = {id(p): [token] for p, token in zip(drafting, self.runner.draft(chunks, "step"))}
+        rows = {id(p): row for row, p in enumerate(drafting)}  # each one's row of the head's last output
         for j in range(1, max((p.num_wanted for p in drafting), default=0)):
             # the j-th draft's position is num_computed - 1 + j: its KV needs a slot (never at another's expense)
             going = [p for p in drafting if p.num_wanted > j and self.kv.allocate(p.request, j)]
             if not going:
                 break
-            step = [DraftChunk([drafts[id(p)][-1]], p.request.num_computed_tokens - 1 + j,
-                               p.block_ids, [rows[id(p)]], True) for p in going]
-            tokens, hidden = self.runner.draft(step, hidden)
-            for row, (p, token) in enumerate(zip(going, tokens)):
+            step = [DraftChunk([drafts[id(p)][-1]], p.request.num_computed_tokens - 1 + j, p.block_ids,
+                               [rows[id(p)]], True) for p in going]
+            for row, (p, token) in enumerate(zip(going, self.runner.draft(step, "draft"))):
                 drafts[id(p)].append(token)
                 rows[id(p)] = row
         return [drafts.get(id(p), []) for p in kept]
