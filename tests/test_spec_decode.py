@@ -437,9 +437,6 @@ def test_vllms_defaults_fill_what_is_left_out():
         {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5, "prompt_lookup_min": 5}
     assert EngineConfig(speculative_config={"model": "m", "num_speculative_tokens": 2}).speculative.method == "draft_model"
     assert EngineConfig(speculative_config={"method": "mtp"}).speculative.num_speculative_tokens == 1
-    with pytest.raises(ValueError, match="method 'eagle' drafts on one rank for now"):
-        EngineConfig(speculative_config={"method": "eagle", "model": "m", "num_speculative_tokens": 2},
-                     tensor_parallel_size=2)
 
 
 def test_heads_that_do_not_fit_the_target_are_refused(llama_with_heads, tmp_path, default_model_dir):

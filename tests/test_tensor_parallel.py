@@ -99,6 +99,35 @@ def test_mtp_drafts_over_two_ranks_equal_one(tmp_path, default_model_dir):
     assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_sharded_over_two_ranks_draft_as_on_one(method, tmp_path, default_model_dir):
+    """An EAGLE / EAGLE-3 head under tensor parallel, its attention and MLP sharded as the target's layers (EAGLE-3's
+    lm_head over its draft vocabulary whole on each rank): the same three drafts after a prompt as on one rank (the
+    first from the prompt, two from the head's own output), and the same tokens and logprobs as one rank."""
+    from tests.conftest import make_eagle_head
+
+    target = make_tiny_model("llama", tmp_path / "target", num_hidden_layers=4)
+    head = make_eagle_head(target, tmp_path / method, method, aux_layers=[1, 2, 3])
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+
+    def first_drafts(tensor_parallel_size: int) -> list[int]:
+        engine = LLMEngine(model=str(target), tokenizer=str(default_model_dir), dtype="float32", num_kv_blocks=16,
+                           tensor_parallel_size=tensor_parallel_size, speculative_config=spec)
+        try:
+            engine.add_request("r", {"prompt_token_ids": _prompts()[3]}, SamplingParams(temperature=0, max_tokens=8))
+            engine.step()
+            return list(engine.scheduler.running[0].draft_token_ids)
+        finally:
+            engine.shutdown()
+
+    drafts = first_drafts(1)
+    assert len(drafts) == 3 and first_drafts(2) == drafts
+    alone, _ = _generate(target, default_model_dir, 1, speculative_config=spec)
+    sharded, stats = _generate(target, default_model_dir, 2, speculative_config=spec)
+    _assert_same(alone, sharded)
+    assert stats.spec_decode.num_draft_tokens > 0
+
+
 def _assert_same(alone, sharded) -> None:
     """The same greedy tokens, the same top-5 at each step, logprobs within 1e-4; the same prompt logprobs (their
     top 2) within 1e-4."""

@@ -79,9 +79,6 @@ class EngineConfig:
         except ValidationError as e:
             fail("speculative_config", describe_errors(e))
         self.speculative_config = spec.model_dump(exclude_none=True)
-        if self.tensor_parallel_size > 1 and spec.uses_eagle:
-            fail("speculative_config", f"method {spec.method!r} drafts on one rank for now (tensor_parallel_size=1); "
-                                       "ngram, draft_model and mtp run with any")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -101,7 +101,8 @@ def run_worker(config: EngineConfig, device: str, rank: int, size: int, init_met
     spec = config.speculative
     model, _, _ = load_model(resolve_model(config.model), ops_for(platform.name), platform.device, config.dtype,
                              config.max_model_len, tp, config.enable_expert_parallel,
-                             mtp=spec is not None and spec.uses_mtp, quantization=config.quantization)
+                             mtp=spec is not None and spec.uses_mtp, quantization=config.quantization,
+                             head=(spec.method, spec.model) if spec is not None and spec.uses_eagle else None)
     runner = ModelRunner(model, 0, config.block_size, platform.device, LoRAManager.for_config(model, config))
     wait_until_all_loaded()
     with torch.inference_mode():

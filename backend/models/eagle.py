@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from backend.distributed import SINGLE, TensorParallel
 from backend.models.architectures import head_dim_of
 from backend.models.layers import MLP, Linear, RMSNorm, VocabParallelEmbedding
 from backend.models.llama import Attention, DecoderLayer
@@ -46,8 +47,11 @@ def head_layer_config(target, head):
 
 
 class EagleHead(DecoderLayer):
-    def __init__(self, config, head_config, index: int, ops: ModuleType):
-        super().__init__(head_layer_config(config, head_config), index, ops)
+    """Under tensor parallel its attention and MLP are sharded as the target's layers are; fc is whole on each rank
+    (it reads the embedding and hidden state every rank holds)."""
+
+    def __init__(self, config, head_config, index: int, ops: ModuleType, tp: TensorParallel = SINGLE):
+        super().__init__(head_layer_config(config, head_config), index, ops, tp)
         hidden = config.hidden_size
         self.fc = Linear(2 * hidden, hidden, False, ops)
         self.input_layernorm = nn.Identity()  # (EAGLE's first layer has none: vLLM and the EAGLE code skip it)
@@ -63,23 +67,26 @@ class EagleHead(DecoderLayer):
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, config, head_config, ops: ModuleType, own_embedding: bool):
+    """Under tensor parallel its attention and MLP are sharded as the target's layers are (and its own embedding by
+    vocabulary); fc, the norms, lm_head and d2t are whole on each rank."""
+
+    def __init__(self, config, head_config, ops: ModuleType, own_embedding: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         layer = head_layer_config(config, head_config)
         hidden, eps = layer.hidden_size, layer.rms_norm_eps
         self.fc = Linear(3 * hidden, hidden, False, ops)
         self.input_layernorm = RMSNorm(hidden, eps, ops)
         self.hidden_norm = RMSNorm(hidden, eps, ops)
-        self.self_attn = Attention(layer, ops)
+        self.self_attn = Attention(layer, ops, tp)
         # the attention reads the embedding and the hidden state side by side
         self.self_attn.qkv_proj = Linear(2 * hidden, self.self_attn.qkv_proj.out_features, layer.attention_bias, ops)
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
-        self.mlp = MLP(layer, ops)
+        self.mlp = MLP(layer, ops, tp)
         self.norm = RMSNorm(hidden, eps, ops)
         draft_vocab = int(getattr(head_config, "draft_vocab_size", None) or config.vocab_size)
         self.lm_head = Linear(hidden, draft_vocab, False, ops)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden) if own_embedding else None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp) if own_embedding else None
 
     def predict(self, embeds, target_hidden, positions, cos_sin_cache, kv_cache, metadata):
         if target_hidden.shape[-1] != embeds.shape[-1]:  # the first draft: the three target layers' states, fused

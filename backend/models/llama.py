@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
     def _checkpoint_shard_outside_mlp(self, key: str, attn: Attention, rank: int):
         if ".o_proj.weight" in key:
             return 1, rank * attn.q_size, attn.q_size
-        if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+        # (an EAGLE-3 head's lm_head, model.layers.{n}.lm_head, is over its own draft vocabulary: whole on each rank)
+        if key.endswith("embed_tokens.weight") or (key.endswith("lm_head.weight") and ".layers." not in key):
             return 0, self.model.embed_tokens.start, self.model.embed_tokens.num_embeddings
         return None  # norms, and the row-parallel biases (added once, by rank 0)
 

@@ -192,13 +192,13 @@ def _stored_keys(files: list[Path]) -> set[str]:
 def _attach_head(module: LlamaForCausalLM, checkpoint: HeadCheckpoint) -> None:
     """An EAGLE / EAGLE-3 head after the decoder layers (model.layers.{num_hidden_layers}: a layer of the KV cache of
     its own); EAGLE-3's target keeps the inputs of the three layers it fuses."""
-    if module.latent_kv or module.tp.size > 1:
-        raise ValueError("EAGLE heads are served for models of plain attention on one rank")
-    config, index = module.config, module.config.num_hidden_layers
+    if module.latent_kv:
+        raise ValueError("EAGLE heads are served for models of plain attention (not DeepSeek's latent attention)")
+    config, index, tp = module.config, module.config.num_hidden_layers, module.tp
     if checkpoint.method == "eagle":
-        module.model.layers.append(EagleHead(config, checkpoint.config, index, module.ops))
+        module.model.layers.append(EagleHead(config, checkpoint.config, index, module.ops, tp))
     else:
-        module.model.layers.append(Eagle3Head(config, checkpoint.config, module.ops, checkpoint.own_embedding))
+        module.model.layers.append(Eagle3Head(config, checkpoint.config, module.ops, checkpoint.own_embedding, tp))
         module.model.aux_layers = checkpoint.aux_layers(config.num_hidden_layers)
 
 
@@ -234,7 +234,8 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpo
 
 
 def _load_head(module: LlamaForCausalLM, params, unfilled, head: HeadCheckpoint) -> None:
-    """An EAGLE / EAGLE-3 head's tensors, renamed into the model (its d2t map is a buffer); what it lacks is named."""
+    """An EAGLE / EAGLE-3 head's tensors, renamed into the model (its d2t map is a buffer), this rank's shards of
+    them under tensor parallel; what it lacks is named."""
     index = module.config.num_hidden_layers
     layer = module.model.layers[index]
     for path in head.files:
@@ -246,7 +247,8 @@ def _load_head(module: LlamaForCausalLM, params, unfilled, head: HeadCheckpoint)
                 if key.endswith(".d2t") and hasattr(layer, "d2t"):
                     layer.d2t.copy_(f.get_tensor(stored).to(torch.long))
                     continue
-                _load_tensor(module, params, unfilled, key, f.get_tensor(stored), path)
+                tensor = _read(f, stored, module.checkpoint_shard(key), module.tp.size, path)
+                _load_tensor(module, params, unfilled, key, tensor, path)
     missing = [name for name, rows in unfilled.items() if rows and name.startswith(f"model.layers.{index}.")]
     if missing:
         raise ModelLoadError(f"{head.folder}: the {head.method} head lacks tensors for {', '.join(missing[:5])}")
