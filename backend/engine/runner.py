@@ -155,6 +155,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """Run one step: fp32 logits for the chunks that want them, and the prompt logprobs chunks ask for."""
+        self._draft_sources = {}  # (the last step's hidden states go before this one's are made)
         # Kernels take decodes first (and each adapter's rows together: backend/models/lora.py); remember where each
         # chunk went.
         slots = self.lora.activate([c.lora for c in chunks]) if self.lora is not None else [-1] * len(chunks)

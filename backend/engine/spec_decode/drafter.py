@@ -24,6 +24,7 @@ from backend.engine.runner import StepOutput
 from backend.engine.sampler import SampledToken
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.step_runner import RunnerOutput
+from backend.engine.workers import RankFailedError
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class Drafter:
                     if p.request.grammar is not None:
                         tokens = tokens[:p.request.grammar.valid_drafts(tokens)]
                     p.request.draft_token_ids = tokens
+            except RankFailedError:
+                raise  # (a rank is gone: no step can run, as a forward pass's RankFailedError says)
             except Exception:  # a draft is an optimisation: without one the requests decode a token a step
                 log.exception("the %s proposer failed; this step drafts nothing", type(self.proposer).__name__)
                 for p in kept:
@@ -145,6 +148,8 @@ class Drafter:
         could hand the freed blocks to another request."""
         try:
             self.proposer.propose(finished, forward)
+        except RankFailedError:
+            raise
         except Exception:  # (its KV there is then stale: later drafts from those blocks are worse, never wrong)
             log.exception("the %s proposer failed on finished requests' last positions", type(self.proposer).__name__)
 
