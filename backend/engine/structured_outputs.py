@@ -74,11 +74,10 @@ class SequenceGrammar:
         for token in tokens:
             if not self.matcher.accept_token(token):
                 break
-            taken += 1
             if self.matcher.is_terminated():
                 self.matcher.rollback(1)
-                taken -= 1
                 break
+            taken += 1
         if taken:
             self.matcher.rollback(taken)
         return taken

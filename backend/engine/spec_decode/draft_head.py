@@ -7,7 +7,7 @@ draft, one position further each time, as vLLM recurses it."""
 from __future__ import annotations
 
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.runner import DraftChunk, ModelRunner, StepOutput
+from backend.engine.runner import DraftChunk, ModelRunner
 from backend.engine.spec_decode.drafter import KeptPositions
 
 
@@ -17,7 +17,7 @@ class DraftHeadProposer:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager):
         self.runner, self.kv = runner, kv
 
-    def propose(self, kept: list[KeptPositions], forward: StepOutput) -> list[list[int]]:
+    def propose(self, kept: list[KeptPositions]) -> list[list[int]]:
         chunks = []
         for p in kept:
             request, num_kept = p.request, p.request.num_computed_tokens - p.start

@@ -8,7 +8,7 @@ then the new last token of each request that drafts, whose logits give the first
 from __future__ import annotations
 
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.runner import ModelRunner, SequenceChunk, StepOutput
+from backend.engine.runner import ModelRunner, SequenceChunk
 from backend.engine.spec_decode.drafter import KeptPositions
 
 
@@ -18,7 +18,7 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager):
         self.runner, self.kv = runner, kv
 
-    def propose(self, kept: list[KeptPositions], forward: StepOutput) -> list[list[int]]:
+    def propose(self, kept: list[KeptPositions]) -> list[list[int]]:
         chunks, drafting = [], []
         for p in kept:
             request = p.request

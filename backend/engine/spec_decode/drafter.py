@@ -20,7 +20,6 @@ from typing import Protocol
 
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.request import Request
-from backend.engine.runner import StepOutput
 from backend.engine.sampler import SampledToken
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.step_runner import RunnerOutput
@@ -60,7 +59,7 @@ class Proposer(Protocol):
     # it keeps state per position (a KV cache of its own), so it runs over every kept position, drafting or not
     runs_every_position: bool
 
-    def propose(self, kept: list[KeptPositions], forward: StepOutput) -> list[list[int]]:
+    def propose(self, kept: list[KeptPositions]) -> list[list[int]]:
         """Each request's drafts, at most num_wanted (a request wanting none may still need its positions run)."""
 
 
@@ -112,22 +111,22 @@ class Drafter:
     def _propose(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
         """Each request's next drafts (request.draft_token_ids), from the positions the step kept; then its blocks
         beyond those the next step needs are returned."""
-        kept, finished, forward = [], [], result.forward
+        kept, finished, first_rows = [], [], result.forward.first_rows
         for i, (s, start) in enumerate(zip(scheduled, result.starts)):
             request = s.request
             request.draft_token_ids = []
             if request.num_computed_tokens <= start:
                 continue
-            first_row = forward.first_rows[i] if forward.first_rows is not None else None
+            first_row = first_rows[i] if first_rows is not None else None
             if request.finished:
                 finished.append(KeptPositions(request, start, first_row, 0, result.tables[i]))
             else:
                 kept.append(KeptPositions(request, start, first_row, self._num_wanted(request), result.tables[i]))
         if finished and self.proposer.runs_every_position:
-            self._catch_up(finished, forward)
+            self._catch_up(finished)
         if kept and (self.proposer.runs_every_position or any(p.num_wanted for p in kept)):
             try:
-                drafts = self.proposer.propose(kept, forward)
+                drafts = self.proposer.propose(kept)
                 for p, tokens in zip(kept, drafts):
                     tokens = list(tokens[:p.num_wanted])
                     if p.request.grammar is not None:
@@ -142,12 +141,12 @@ class Drafter:
         for p in kept:
             self.kv.trim(p.request, p.request.num_computed_tokens + 1 + len(p.request.draft_token_ids))
 
-    def _catch_up(self, finished: list[KeptPositions], forward: StepOutput) -> None:
+    def _catch_up(self, finished: list[KeptPositions]) -> None:
         """The proposer's own KV at the positions a request's last step computed: its full blocks are in the prefix
         cache now, and a later hit on them reads that KV. Run apart and first, before any allocation for drafts
         could hand the freed blocks to another request."""
         try:
-            self.proposer.propose(finished, forward)
+            self.proposer.propose(finished)
         except RankFailedError:
             raise
         except Exception:  # (its KV there is then stale: later drafts from those blocks are worse, never wrong)

@@ -33,6 +33,6 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, kept: list[KeptPositions], forward) -> list[list[int]]:
+    def propose(self, kept: list[KeptPositions]) -> list[list[int]]:
         return [lookup(np.asarray(p.request.token_ids), p.num_wanted, self.min_n, self.max_n) if p.num_wanted else []
                 for p in kept]
