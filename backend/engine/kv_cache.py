@@ -1,12 +1,16 @@
 """KV block pool: reference counts, a free queue, and a prefix cache keyed by a hash chain.
 
 A full block's hash chains its parent's hash with its own token ids, so equal hashes mean
-equal prefixes (a hit still compares token ids, to be safe from collisions). Freed blocks
+equal prefixes (a hit still compares token ids, to be safe from collisions). The hash is SHA-256 (vLLM's default),
+the same in every process and on every host, so that it also keys blocks in a KV pool other engines share
+(backend/engine/kv_transfer/kv_pool.py). Freed blocks
 keep their hash and stay reusable until the free queue hands them out again (LRU).
 The manager owns every request's block table (as vLLM v1's KVCacheManager does).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,8 +22,31 @@ from npu_llm_kernels.metadata import cdiv
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # set while the block is in the prefix cache
+
+
+def chain_root(request: Request) -> bytes:
+    """Where a request's hash chain starts: nothing for the base model, its adapter's name and path for a LoRA."""
+    lora = request.lora_request
+    return b"" if lora is None else hashlib.sha256("\0".join(lora.cache_key).encode()).digest()
+
+
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """A block's hash: its parent's, then its token ids (as 64-bit integers, so that no two lists share bytes)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def block_hash_chain(request: Request, num_blocks: int, block_size: int) -> list[bytes]:
+    """Hash chain of the request's first num_blocks full blocks, extended incrementally on the request. The chain
+    starts from the request's adapter (vLLM puts the LoRA's name and path in the block hash): the same tokens under two
+    adapters, or under one and the base model, have different KV and never share a block."""
+    hashes = request.block_hashes
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else chain_root(request)
+        hashes.append(chain_hash(parent, request.token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes[:num_blocks]
 
 
 class KVCacheManager:
@@ -30,7 +57,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evicted first
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.tables: dict[str, list[int]] = {}  # request id -> its block ids, in token order
         self._registered: dict[str, int] = {}  # request id -> leading blocks already offered to the prefix cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -61,16 +88,8 @@ class KVCacheManager:
 
     # -- prefix cache -----------------------------------------------------------------------------
 
-    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """Hash chain of the request's first num_blocks full blocks, extended incrementally on the request. The chain
-        starts from the request's adapter (vLLM puts the LoRA's name and path in the block hash): the same tokens under two
-        adapters, or under one and the base model, have different KV and never share a block."""
-        hashes, bs = request.block_hashes, self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else request.lora_request and request.lora_request.cache_key
-            hashes.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
-        return hashes[:num_blocks]
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        return block_hash_chain(request, num_blocks, self.block_size)
 
     def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
         return tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])

@@ -33,7 +33,8 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
-        self.block_hashes: list[int] = []  # prefix-cache hash chain over its full blocks of tokens
+        self.num_external_computed_tokens = 0  # prompt tokens, past the prefix-cache hits, that another engine or a KV pool gave it
+        self.block_hashes: list[bytes] = []  # prefix-cache hash chain over its full blocks of tokens
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None
