@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from backend.config.kv_transfer import KVTransferConfig
+from backend.config.kv_transfer import OFFLOADING_CONNECTOR, KVTransferConfig
 from backend.config.speculative import SpeculativeConfig, describe_errors
 
 # (No torch here, and nothing from the rest of backend: the CLI's --help and the gateway read the config without
@@ -60,6 +60,10 @@ class EngineConfig:
     # vLLM's: this engine as one side of disaggregated prefill, e.g. {"kv_connector": "MooncakeConnectorV1",
     # "kv_role": "kv_producer", "kv_port": 14579} (docs/disaggregation.md); None: it prefills and decodes its own
     kv_transfer_config: dict | None = None
+    # vLLM's CPU offload: a host-memory pool of this many GiB keeps the KV blocks the device's cache lets go, and a
+    # later prompt that starts with them loads them back (docs/kv-pool.md); the backend is "native" (npu-llm's own)
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
     # vLLM's: serve LoRA adapters (docs/lora.md); max_loras of them in one step, each of rank <= max_lora_rank,
     # max_cpu_loras kept loaded in host memory (None: max_loras), least recently used beyond that
     enable_lora: bool = False
@@ -122,6 +126,7 @@ class EngineConfig:
             self._check_speculative(fail)
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             fail("quantization", f"must be one of {', '.join(QUANTIZATION_CHOICES)}, or unset (the checkpoint's own)")
+        self._check_offloading(fail)
         if self.kv_transfer_config is not None:
             self._check_kv_transfer(fail)
         self._check_lora(fail)
@@ -135,13 +140,27 @@ class EngineConfig:
             fail("max_cpu_loras", f"must be at least max_loras ({self.max_loras})")
         if self.enable_lora and self.speculative_config is not None:
             fail("enable_lora", "drafts are not verified under adapters yet: leave speculative_config unset")
-        if self.enable_lora and self.kv_transfer_config is not None:
-            fail("enable_lora", "a prefill moved between engines carries no adapter: leave kv_transfer_config unset")
+        if self.enable_lora and self.kv_transfer is not None:
+            fail("enable_lora", "a KV connector moves no adapter's KV yet: leave kv_transfer_config and "
+                                "kv_offloading_size unset")
 
     @property
     def lora_cpu_capacity(self) -> int:
         """Adapters kept loaded in host memory (vLLM's max_cpu_loras, which defaults to max_loras)."""
         return self.max_cpu_loras or self.max_loras
+
+    def _check_offloading(self, fail) -> None:
+        if self.kv_offloading_backend not in (None, "native"):
+            fail("kv_offloading_backend", "only 'native' (npu-llm's host-memory pool) is served; LMCache is not")
+        if self.kv_offloading_size is None:
+            if self.kv_offloading_backend is not None:
+                fail("kv_offloading_backend", "needs kv_offloading_size (GiB of host memory for the pool)")
+            return
+        if isinstance(self.kv_offloading_size, bool) or not self.kv_offloading_size > 0:
+            fail("kv_offloading_size", "must be a positive number of GiB")
+        if self.kv_transfer_config is not None:
+            fail("kv_offloading_size", "is an OffloadingConnector; with kv_transfer_config set, configure one of them")
+        self._check_connector_limits("kv_offloading_size", fail)
 
     def _check_kv_transfer(self, fail) -> None:
         """Parsed once, so that a generated engine_id stays the same; stored back as a plain dict."""
@@ -149,13 +168,22 @@ class EngineConfig:
             self.kv_transfer_config = KVTransferConfig.model_validate(self.kv_transfer_config).model_dump()
         except ValueError as e:  # (pydantic's ValidationError names each field)
             fail("kv_transfer_config", str(e))
+        self._check_connector_limits("kv_transfer_config", fail)
+
+    def _check_connector_limits(self, name: str, fail) -> None:
         if self.tensor_parallel_size > 1:
-            fail("kv_transfer_config", "disaggregated prefill runs on one rank a side for now (tensor_parallel_size=1)")
+            fail(name, "a KV connector (disaggregated prefill, a KV pool) runs on one rank for now "
+                       "(tensor_parallel_size=1)")
         if self.speculative_config is not None:
-            fail("kv_transfer_config", "a drafter's state is not transferred: leave speculative_config unset")
+            fail(name, "a drafter's state is not transferred: leave speculative_config unset")
 
     @property
     def kv_transfer(self) -> KVTransferConfig | None:
+        """The KV connector's config: kv_transfer_config, or the OffloadingConnector that kv_offloading_size means
+        (as vLLM turns one into the other)."""
+        if self.kv_offloading_size is not None:
+            return KVTransferConfig(kv_connector=OFFLOADING_CONNECTOR, kv_role="kv_both", kv_connector_extra_config={
+                "cpu_bytes_to_use": int(self.kv_offloading_size * (1 << 30))})
         return None if self.kv_transfer_config is None else KVTransferConfig.model_validate(self.kv_transfer_config)
 
     def finalize(self, platform: str, model_max_len: int) -> None:

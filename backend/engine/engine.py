@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -84,10 +85,12 @@ class LLMEngine:
         self.runner, self.memory_split = started.runner, started.memory_split
         self.draft_runner = started.draft_runner  # speculative decoding with a draft model: its model and KV
         self.kv = KVCacheManager(started.num_blocks, config.block_size, config.enable_prefix_caching)
-        # disaggregated prefill: the connector's two sides (backend/engine/kv_transfer/), both in this process
+        # disaggregated prefill or a KV pool: the connector's two sides (backend/engine/kv_transfer/), both in this
+        # process
         self.kv_connector: KVConnector | None = None
         if (transfer := config.kv_transfer) is not None:
-            self.kv_connector = create_connector(transfer, config.block_size, self.platform.name)
+            self.kv_connector = create_connector(transfer, config.block_size, self.platform.name,
+                                                 Path(config.model).name)
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,

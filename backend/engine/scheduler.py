@@ -6,10 +6,11 @@ most recently admitted running request is preempted (blocks freed, recomputed la
 After the forward pass, update_from_output moves each scheduled request on: its tokens are
 in the cache now, its sampled token is appended, and a stop token or its length finishes it.
 
-With a KV connector (disaggregated prefill, backend/engine/kv_transfer/), a request whose prompt KV another engine
-holds is admitted with blocks for it and waits, taking no step, while it is pulled (`loading`); once it has its KV
-(`loaded`) it runs its last prompt token, before any request waiting for blocks (it needs none). A finished request
-whose blocks a consumer will pull keeps them until released (`sending`).
+With a KV connector (disaggregated prefill or a KV pool, backend/engine/kv_transfer/), a request whose prompt KV
+another engine or the pool holds is admitted with blocks for its prompt and waits, taking no step, while that KV loads
+(`loading`); once it has it (`loaded`) it runs the rest of its prompt (a remote prefill: its last token), before any
+request waiting for blocks (it needs none). A finished request whose blocks a consumer will pull, or a pool will save,
+keeps them until released (`sending`).
 """
 from __future__ import annotations
 
@@ -103,11 +104,14 @@ class Scheduler:
         keeps them until its load ends: they are being written)."""
         if request.request_id in self.loading:
             return
+        self._dequeue(request)
+        self.kv.free(request)
+
+    def _dequeue(self, request: Request) -> None:
         for queue in (self.running, self.waiting, self.loaded):
             if request in queue:
                 queue.remove(request)
-                break
-        self.kv.free(request)
+                return
 
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
@@ -137,16 +141,22 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # Pulled requests next: they hold their blocks already, and only their last prompt token runs.
+        # Loaded requests next: their blocks cover their whole prompt already, and only what was not loaded runs (a
+        # remote prefill's last prompt token; the rest of a prompt whose head came from a KV pool).
         while self.loaded and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.loaded.popleft()
-            self.kv.allocate(request, 1)  # (num_computed_tokens + 1 tokens: covered by its table)
+            request = self.loaded[0]
+            num_new = len(request.token_ids) - request.num_computed_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            self.loaded.popleft()
+            self.kv.allocate(request, num_new)  # (covered by its table)
             self._run(request)
-            scheduled.append(ScheduledRequest(request, 1))
-            budget -= 1
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
 
         # New requests only when nobody had to make room this step.
-        computing: set[int] = set()  # hashes of the full blocks that requests admitted in this step will fill
+        computing: set[bytes] = set()  # hashes of the full blocks that requests admitted in this step will fill
         # passed over for now: a grammar being compiled (vLLM's WAITING_FOR_FSM), or an adapter beyond max_loras
         passed_over: list[Request] = []
         adapters = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
@@ -210,11 +220,13 @@ class Scheduler:
         self.running.append(request)
 
     def _start_loading(self, request: Request, hits: list[int], num_external: int) -> bool:
-        """Admit a request whose prompt KV (past its local hits) another engine holds: blocks for its whole prompt,
-        then it waits for the pull, taking no step. False (nothing changed) if the blocks are not free."""
+        """Admit a request whose prompt KV (past its local hits) another engine or a KV pool holds: blocks for its
+        whole prompt, then it waits for the load, taking no step. False (nothing changed) if the blocks are not
+        free."""
         num_cached = len(hits) * self.kv.block_size
         request.num_computed_tokens = num_cached
-        if not self.kv.allocate(request, num_external, hits):
+        request.num_external_computed_tokens = num_external
+        if not self.kv.allocate(request, len(request.token_ids) - num_cached, hits):
             request.num_computed_tokens = 0
             return False
         self.waiting.popleft()
@@ -251,22 +263,24 @@ class Scheduler:
             error = finished.failed.get(request_id)
             if request.finished:  # aborted while its blocks were being written
                 self.kv.free(request)
-            elif error is None:
-                request.num_computed_tokens = len(request.token_ids) - 1
+            elif error is None:  # (the last token runs here, to give the first token's logits)
+                request.num_computed_tokens = min(request.num_computed_tokens + request.num_external_computed_tokens,
+                                                  len(request.token_ids) - 1)
                 self.kv.cache_full_blocks(request)
                 self.loaded.append(request)
             else:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.status = RequestStatus.PREEMPTED  # (recomputed: its prefix lookup is counted already)
-                if isinstance(error, ValueError):
+                self.connector.load_failed(request_id)
+                if isinstance(error, ValueError) or self.connector.fail_on_load_error:
                     failed.append((request, error))
                 else:
                     log.warning("computing request %s's prompt here instead: %s", request_id, error)
                     self.waiting.appendleft(request)
         return failed
 
-    def _next_block_being_computed(self, request: Request, num_hits: int, computing: set[int]) -> bool:
+    def _next_block_being_computed(self, request: Request, num_hits: int, computing: set[bytes]) -> bool:
         if not computing or (len(request.token_ids) - 1) // self.kv.block_size <= num_hits:
             return False
         return self.kv.block_hashes(request, num_hits + 1)[num_hits] in computing
@@ -332,8 +346,7 @@ class Scheduler:
         if self.connector is not None and request.request_id not in self.loading:
             hold, request.kv_transfer_params_out = self.connector.request_finished(request, self.kv.block_ids(request))
             if hold:
-                if request in self.running:
-                    self.running.remove(request)
+                self._dequeue(request)
                 self.sending[request.request_id] = request
                 return
         self.remove(request)

@@ -130,7 +130,8 @@ def lora_modules_of(args) -> dict[str, str]:
 
 def serve(args) -> int:
     repository, engine_args, model = checked_engine_args(args)
-    if model.config.kv_transfer_config is not None and not control_key():
+    transfer = model.config.kv_transfer
+    if transfer is not None and not transfer.is_pool and not control_key():
         raise ValueError(f"kv_transfer_config: the servers of a disaggregated deployment and its gateway share one "
                          f"{CONTROL_KEY_ENV} (a consumer pulls only KV a producer holding it signed): set the same "
                          f"value, 16 or more of A-Z a-z 0-9 - _, for each `npu-llm serve` and the gateway "

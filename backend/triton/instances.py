@@ -36,8 +36,8 @@ def engine_config(config: EngineConfig, index: int, device_type: str) -> EngineC
     """Engine `index`'s config: its own tensor_parallel_size devices after the first one config.device names.
     On the CPU every engine runs on the cpu (sharing its cores). With kv_transfer_config, each engine is a transfer
     endpoint of its own: side channel on kv_port + index, engine_id suffixed "-index" (as vllm-ascend offsets its
-    ports by data-parallel rank)."""
-    if config.kv_transfer_config is not None and index > 0:
+    ports by data-parallel rank). A KV pool's instances share it, as they are."""
+    if config.kv_transfer_config is not None and not config.kv_transfer.is_pool and index > 0:
         transfer = config.kv_transfer_config
         config = dataclasses.replace(config, kv_transfer_config={
             **transfer, "kv_port": transfer["kv_port"] + index, "engine_id": f"{transfer['engine_id']}-{index}"})

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.config import KVTransferConfig
+from backend.config.kv_transfer import OFFLOADING_CONNECTOR, STORE_CONNECTORS
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.request import Request
 
@@ -62,6 +63,12 @@ class TransferStats:
     pulls: int = 0
     failures: int = 0  # pulls that failed (recomputed here, or refused by the producer)
     expired: int = 0  # (producer) held blocks freed by abort_timeout_s, never released by a consumer
+    # a KV pool's: prompt tokens looked up past the local prefix cache, and of those found (vLLM's
+    # external_prefix_cache_queries / _hits); blocks and bytes it saved (a pool's loads count as pulls above)
+    external_queries: int = 0
+    external_hits: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
 
     def copy(self) -> "TransferStats":
         return TransferStats(**vars(self))
@@ -93,6 +100,14 @@ class KVConnector(ABC):
         """A request ended: (whether its blocks must wait for a consumer before they are freed, the
         kv_transfer_params to return to the client)."""
 
+    def load_failed(self, request_id: str) -> None:
+        """A load of this request failed and it is computed here instead (a pool then no longer offers it)."""
+
+    @property
+    def fail_on_load_error(self) -> bool:
+        """Whether a load that fails fails its request (kv_load_failure_policy "fail"), not only a refused claim."""
+        return False
+
     def release_refused(self, params: KVTransferParams, prompt_token_ids: list[int]) -> None:
         """A request with these params was refused before it was queued: free what its producer holds for it."""
 
@@ -117,10 +132,21 @@ class KVConnector(ABC):
         """Stop background threads and sockets, and release the transfer engine's registrations."""
 
 
-def create_connector(config: KVTransferConfig, block_size: int, platform: str) -> KVConnector:
-    """The connector kv_transfer_config names (backend/config/kv_transfer.py checked that it is one of KV_CONNECTORS)."""
+def create_connector(config: KVTransferConfig, block_size: int, platform: str, model_name: str) -> KVConnector:
+    """The connector kv_transfer_config names (backend/config/kv_transfer.py checked that it is one of KV_CONNECTORS).
+    model_name keys a pool's blocks (with the KV layout), so that two models never share one."""
     # The one deliberate cycle of the engine: the interface names its implementations. Lazy, so that Mooncake's
-    # transfer engine loads only where a connector is configured.
+    # transfer engine and store load only where a connector is configured.
+    if config.kv_connector == OFFLOADING_CONNECTOR:
+        from backend.engine.kv_transfer.host_pool import HostBlockStore
+        from backend.engine.kv_transfer.kv_pool import KVPoolConnector
+
+        return KVPoolConnector(config, block_size, HostBlockStore(config), model_name)
+    if config.kv_connector in STORE_CONNECTORS:
+        from backend.engine.kv_transfer.kv_pool import KVPoolConnector
+        from backend.engine.kv_transfer.mooncake_store import MooncakeBlockStore
+
+        return KVPoolConnector(config, block_size, MooncakeBlockStore(config, platform), model_name)
     from backend.engine.kv_transfer.mooncake import MooncakeConnectorV1
 
-    return {"MooncakeConnectorV1": MooncakeConnectorV1}[config.kv_connector](config, block_size, platform)
+    return MooncakeConnectorV1(config, block_size, platform)
