@@ -60,7 +60,8 @@ class ServerMetrics:
         panel = (
             f"**Model** {labels.get('engine_model', '?')} · **Layout** {labels.get('layout', '?')} on {devices} · "
             + ("**Decode** " if prefill else "") + _load(served)
-            + f" · **Prefix-cache hit rate** {served.mean('vllm:prefix_cache_hit_rate') * 100:.0f}%" + _drafts(served)
+            + f" · **Prefix-cache hit rate** {served.mean('vllm:prefix_cache_hit_rate') * 100:.0f}%" + _pool(served)
+            + _drafts(served)
         )
         if prefill:  # (disaggregated: the prefill servers, and the KV pulled from them)
             panel += (f"  \n**Prefill** {len(self.prefill_metrics_urls)} server(s): {_load(prefill)} · "
@@ -90,6 +91,16 @@ def _load(scrape: Scrape) -> str:
     return (f"**KV cache** {scrape.mean('vllm:kv_cache_usage_perc') * 100:.1f}% · "
             f"**Running** {scrape.total('vllm:num_requests_running'):.0f} · "
             f"**Waiting** {scrape.total('vllm:num_requests_waiting'):.0f}")
+
+
+def _pool(scrape: Scrape) -> str:
+    """With a KV pool (CPU offload, Mooncake Store): the share of the prompt tokens looked up there that it held."""
+    if "vllm:external_prefix_cache_queries" not in scrape.samples:
+        return ""
+    queries = scrape.total("vllm:external_prefix_cache_queries")
+    if not queries:
+        return " · **KV pool** no lookups yet"
+    return f" · **KV pool hit rate** {scrape.total('vllm:external_prefix_cache_hits') / queries * 100:.0f}%"
 
 
 def _drafts(scrape: Scrape) -> str:

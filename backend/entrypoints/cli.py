@@ -131,6 +131,13 @@ def _cmd_bench_spec(args) -> int:
     return 0
 
 
+def _cmd_bench_kv_pool(args) -> int:
+    from backend.entrypoints.bench.kv_pool import run_kv_pool_bench
+
+    run_kv_pool_bench(args)
+    return 0
+
+
 def _cmd_bench_serving(args) -> int:
     if args.disaggregate:
         from backend.entrypoints.bench.disaggregated import run_disaggregated_bench
@@ -206,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "the KV moved by Mooncake, the gateway as their proxy (docs/disaggregation.md)")
     up.add_argument("--kv-port", type=int, default=14579,
                     help="with --disaggregate: the first server's KV side channel (server k: + 10 k)")
+    up.add_argument("--kv-pool", action="store_true",
+                    help="a KV pool over Mooncake Store: start mooncake_master on loopback and give every engine a "
+                         "MooncakeStoreConnector (with --disaggregate: prefill servers save, decode servers load; "
+                         "docs/kv-pool.md)")
+    up.add_argument("--kv-pool-port", type=int, default=50051,
+                    help="with --kv-pool: the master's RPC port (its admin and metrics server: + 1)")
     up.set_defaults(func=_cmd_up)
 
     loadtest = commands.add_parser("loadtest", help="locust load test with a TTFT/ITL/TPOT/throughput report")
@@ -289,6 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the model drafts for a target built from it, N times as deep (its copied layers' outputs "
                            "scaled down): a draft model's speed-up without a second checkpoint")
     spec.set_defaults(func=_cmd_bench_spec)
+    pool = kinds.add_parser("kv-pool", help="multi-turn chat TTFT with a KV pool (CPU offload; Mooncake Store across "
+                                            "two engines) vs. without, turns coming back after leaving the KV cache")
+    EngineConfig.add_cli_args(pool)
+    pool.add_argument("--conversations", type=int, default=16)
+    pool.add_argument("--turns", type=int, default=6)
+    pool.add_argument("--system-tokens", type=int, default=1536, help="the shared system prompt's length")
+    pool.add_argument("--output-len", type=int, default=32, help="max_tokens of each reply (greedy)")
+    pool.add_argument("--kv-blocks", type=int, default=160,
+                      help="num_kv_blocks, unless --num-kv-blocks is given: room for a few conversations only")
+    pool.add_argument("--offload-gb", type=float, default=1.0, help="kv_offloading_size of the offload run")
+    pool.add_argument("--instances", type=int, default=2, help="engines sharing the Mooncake Store (1: no store run)")
+    pool.set_defaults(func=_cmd_bench_kv_pool)
     moe = kinds.add_parser("moe", help="one MoE layer's experts: the fused CPU kernel vs. the per-expert loop")
     moe.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     moe.add_argument("--experts", type=int, default=64)

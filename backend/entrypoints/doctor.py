@@ -251,6 +251,36 @@ def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check
     return Check("serving layout", OK, detail)
 
 
+def check_kv_pool(repository: Path, engine_args: dict) -> list[Check]:
+    """With a KV pool over Mooncake Store configured: whether its master answers (docs/kv-pool.md)."""
+    import socket
+
+    from backend.triton.model_json import parse_model_json
+
+    model_json = repository / "llm" / "1" / "model.json"
+    try:
+        transfer = parse_model_json({**(json.loads(model_json.read_text()) if model_json.exists() else {}),
+                                     **engine_args}).config.kv_transfer
+    except (ValueError, json.JSONDecodeError):
+        return []  # (check_layout reports it)
+    if transfer is None or not transfer.is_pool or transfer.kv_connector == "OffloadingConnector":
+        return []
+    from backend.engine.kv_transfer.mooncake_store import mooncake_settings
+
+    fix = ("start mooncake_master (`npu-llm up --kv-pool` does), and name it in MOONCAKE_MASTER or "
+           "MOONCAKE_CONFIG_PATH's master_server_address")
+    try:
+        master = mooncake_settings(transfer, "cpu")["master_server_addr"]
+    except ValueError as e:
+        return [Check("KV pool master", FAIL, str(e)[:160], fix)]
+    try:
+        host, _, port = master.rpartition(":")
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=2).close()
+    except (ValueError, OSError) as e:
+        return [Check("KV pool master", FAIL, f"no answer at {master}: {e}"[:160], fix)]
+    return [Check("KV pool master", OK, f"{transfer.kv_connector}: mooncake_master answers at {master}")]
+
+
 def run_checks(model: str, repository: Path | None = None, engine_args: dict | None = None) -> list[Check]:
     from backend.triton.launcher import DEFAULT_REPOSITORY
 
@@ -266,6 +296,7 @@ def run_checks(model: str, repository: Path | None = None, engine_args: dict | N
         check_tritonserver(),
         check_model(model),
         check_layout(repository or DEFAULT_REPOSITORY, engine_args or {}, npu_usable),
+        *check_kv_pool(repository or DEFAULT_REPOSITORY, engine_args or {}),
     ]
 
 

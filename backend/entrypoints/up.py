@@ -19,9 +19,14 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from backend.config.kv_transfer import MOONCAKE_MASTER_ENV
+from backend.entrypoints.kv_pool_master import start_master
 from backend.entrypoints.serve import (
     checked_engine_args, client_host, lora_modules_of, start_server, stop_process_group, wait_http, wait_ready,
 )
+
+# --kv-pool: every engine's connector (a disaggregated layout's prefill servers save to the pool, decode servers load)
+POOL_CONNECTOR = {"kv_connector": "MooncakeStoreConnector"}
 
 # Server k of a disaggregated layout listens on the given ports + k * PORT_STRIDE, its KV side channel on
 # --kv-port + k * PORT_STRIDE (room for a server's data-parallel engines, kv_port + instance each).
@@ -56,15 +61,19 @@ def plan_servers(args, engine_args: dict) -> list[TritonServer]:
     """The Tritons to start: one, or a disaggregated layout's prefill servers then decode servers."""
     ports = (args.http_port, args.grpc_port, args.metrics_port)
     layout = getattr(args, "disaggregate", None)
+    pool = getattr(args, "kv_pool", False)
+    given = engine_args.get("kv_transfer_config") or {}  # a user's whole config (its abort_timeout_s, ...)
     if not layout:
+        if pool:
+            engine_args = {**engine_args, "kv_transfer_config": {**POOL_CONNECTOR, **given, "kv_role": "kv_both"}}
         return [TritonServer("serve", "triton", *ports, engine_args)]
     num_prefill, num_decode = parse_layout(layout)
     roles = [("prefill", "kv_producer", i) for i in range(num_prefill)] + \
             [("decode", "kv_consumer", i) for i in range(num_decode)]
-    given = engine_args.get("kv_transfer_config") or {}  # a user's whole config (its abort_timeout_s, ...)
+    connector = POOL_CONNECTOR if pool else {"kv_connector": "MooncakeConnectorV1"}
     servers = []
     for k, (role, kv_role, i) in enumerate(roles):
-        transfer = {"kv_connector": "MooncakeConnectorV1", "kv_ip": client_host(args.triton_host), **given,
+        transfer = {**connector, "kv_ip": client_host(args.triton_host), **given,
                     "kv_role": kv_role, "kv_port": args.kv_port + k * PORT_STRIDE, "engine_id": f"{role}-{i}"}
         servers.append(TritonServer(role, f"{role}-{i}", *(p + k * PORT_STRIDE for p in ports),
                                     {**engine_args, "kv_transfer_config": transfer}))
@@ -85,6 +94,10 @@ def running_stack(args, with_ui: bool = True, stop: threading.Event | None = Non
     children: list[subprocess.Popen] = []
     work_dirs = []
     try:
+        if getattr(args, "kv_pool", False):  # (first, so that the engines find it; stopped last)
+            children.append(start_master(args.kv_pool_port, args.kv_pool_port + 1, client_host(args.triton_host)))
+            # (the Tritons inherit it)
+            os.environ[MOONCAKE_MASTER_ENV] = f"{client_host(args.triton_host)}:{args.kv_pool_port}"
         for server in servers:  # (all at once: each loads its model while the others do)
             triton, work_dir = start_server(repository, server.engine_args, server.http_port, server.grpc_port,
                                             server.metrics_port, args.triton_arg or [], new_session=True,
@@ -159,6 +172,9 @@ def up(args) -> int:
             lines.append(f"  {title:<12} http://{server.url(args.triton_host, server.http_port)} "
                          f"(gRPC {server.url(args.triton_host, server.grpc_port)}, "
                          f"metrics http://{server.url(args.triton_host, server.metrics_port)}/metrics)")
+        if args.kv_pool:
+            lines.append(f"  KV pool      Mooncake master {os.environ[MOONCAKE_MASTER_ENV]} "
+                         f"(metrics http://{client_host(args.triton_host)}:{args.kv_pool_port + 1}/metrics)")
         print("\n".join(lines + ["Ctrl-C stops them all."]), flush=True)
         while not stop.wait(0.5):
             exited = [c for c in children if c.poll() is not None]

@@ -162,15 +162,27 @@ class VllmMetrics:
         }
         self._spec: dict[str, object] = {}
         self._spec_seen: dict[str, int] = {}
-        # disaggregated prefill, made once the engine reports a KV connector. vLLM's own transfer metrics are its
-        # connectors' (vllm:nixl_*), so these carry npu-llm's prefix.
+        # A KV connector's (disaggregated prefill, a KV pool), made once the engine reports one: metric ->
+        # (TransferStats field, description). vLLM's own transfer metrics are its connectors' (vllm:nixl_*), so these
+        # carry npu-llm's prefix; a pool's lookups count in vLLM's external prefix-cache counters.
         self._transfer_families = {
-            "bytes": "Bytes of KV pulled from prefill engines.",
-            "blocks": "KV blocks pulled from prefill engines.",
-            "seconds": "Seconds spent pulling KV (claim, read, release), summed over pulls.",
-            "pulls": "Requests whose prompt KV was pulled from a prefill engine.",
-            "failures": "KV pulls that failed (the prompt recomputed here, or the claim refused).",
-            "expired": "Finished prefills whose blocks were freed by the timeout, no consumer having pulled them.",
+            "npu_llm:kv_transfer_bytes_total": ("bytes", "Bytes of KV pulled from prefill engines or a KV pool."),
+            "npu_llm:kv_transfer_blocks_total": ("blocks", "KV blocks pulled from prefill engines or a KV pool."),
+            "npu_llm:kv_transfer_seconds_total": ("seconds", "Seconds spent pulling KV, summed over pulls."),
+            "npu_llm:kv_transfer_pulls_total": ("pulls", "Requests whose prompt KV was pulled from a prefill engine "
+                                                         "or a KV pool."),
+            "npu_llm:kv_transfer_failures_total": ("failures", "KV pulls that failed (the prompt recomputed here, or "
+                                                               "the request failed)."),
+            "npu_llm:kv_transfer_expired_total": ("expired", "Finished prefills whose blocks were freed by the "
+                                                             "timeout, no consumer having pulled them."),
+            "npu_llm:kv_transfer_saved_bytes_total": ("saved_bytes", "Bytes of KV saved to a KV pool."),
+            "npu_llm:kv_transfer_saved_blocks_total": ("saved_blocks", "KV blocks saved to a KV pool."),
+            "vllm:external_prefix_cache_queries_total": (
+                "external_queries", "External prefix cache queries from KV connector cross-instance cache sharing, "
+                                    "in terms of number of queried tokens."),
+            "vllm:external_prefix_cache_hits_total": (
+                "external_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in "
+                                 "terms of number of cached tokens."),
         }
         self._transfer: dict[str, object] = {}
         self._transfer_seen: dict[str, float] = {}
@@ -237,14 +249,14 @@ class VllmMetrics:
 
     def _count_kv_transfer(self, transfer, num_transferring: int) -> None:
         if not self._transfer:
-            for name, description in self._transfer_families.items():
-                family = self._new_family(f"npu_llm:kv_transfer_{name}_total", description, "COUNTER")
+            for name, (_, description) in self._transfer_families.items():
+                family = self._new_family(name, description, "COUNTER")
                 self._transfer[name] = family.Metric(labels=self._labels)
             self._transferring = self._new_family(
                 "npu_llm:kv_transfer_requests", "Requests whose KV blocks a transfer holds (pulled here, or kept "
                 "for a decode engine).", "GAUGE").Metric(labels=self._labels)
         for name, metric in self._transfer.items():
-            _advance(metric, self._transfer_seen, name, getattr(transfer, name))
+            _advance(metric, self._transfer_seen, name, getattr(transfer, self._transfer_families[name][0]))
         self._transferring.set(num_transferring)
 
     def _count_spec_decode(self, spec) -> None:
