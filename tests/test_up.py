@@ -164,33 +164,40 @@ def test_up_from_cold_serves_the_first_request_as_fast_as_later_ones_and_sigterm
         _stop_tree(process)
 
 
-def _free_strided(servers: int) -> int:
-    """A port p with p + k * PORT_STRIDE free for each of `servers` servers (up's layout of a disaggregated stack)."""
+def _free_strided(servers: int, stride: int | None = None) -> int:
+    """A port p with p + k * stride free for each of `servers` servers (by default up's layout of a disaggregated
+    stack, PORT_STRIDE apart)."""
     from backend.entrypoints.up import PORT_STRIDE
 
     while True:
         base = free_port()
-        if all(not _port_open(base + k * PORT_STRIDE) for k in range(servers)):
+        if all(not _port_open(base + k * (stride or PORT_STRIDE)) for k in range(servers)):
             return base
 
 
-def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tmp_path):
+@pytest.mark.parametrize("kv_pool", [False, True], ids=["point-to-point", "kv-pool"])
+def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tmp_path, kv_pool):
+    """The KV moves from the prefill server to the decode server: pulled point to point (MooncakeConnectorV1), or,
+    with --kv-pool, saved by the prefill server to Mooncake Store and loaded from it by the decode server (the
+    tuning guide's pooling architecture)."""
     import httpx
     import psutil
 
     from backend.config.addresses import is_loopback
     from backend.entrypoints.up import PORT_STRIDE
     from tests.conftest import TritonMetrics
+    from ui.server_metrics import ServerMetrics
 
     ports = {name: _free_strided(2) for name in ("http", "grpc", "metrics", "kv")}
     front = {name: free_port() for name in ("gateway", "ui")}
+    pool = ["--kv-pool", "--kv-pool-port", str(front.setdefault("pool", _free_strided(2, stride=1)))] if kv_pool else []
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "backend.entrypoints.cli", "up", "--disaggregate", "1P1D", "--http-port", str(ports["http"]),
              "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
              "--gateway-port", str(front["gateway"]), "--ui-port", str(front["ui"]),
-             "--engine-arg", "kv_cache_memory_gb=0.25", "--kv-port", str(ports["kv"])],
+             "--engine-arg", "kv_cache_memory_gb=0.25", "--kv-port", str(ports["kv"]), *pool],
             stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_up(process, log_path)
@@ -198,11 +205,21 @@ def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tm
         assert "1P1D" in ready and "prefill-0" in ready and "decode-0" in ready, ready[-2000:]
         gateway = f"http://127.0.0.1:{front['gateway']}"
         [model] = [m["id"] for m in httpx.get(f"{gateway}/v1/models", timeout=10).json()["data"]]
+        prompt = "The capital of France is Paris, and the capital of Italy is Rome. " * 6  # (full KV blocks)
         response = httpx.post(f"{gateway}/v1/completions", timeout=120, json={
-            "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+            "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
         assert response.status_code == 200 and response.json()["choices"][0]["text"], response.text
         decode = TritonMetrics(f"http://127.0.0.1:{ports['metrics'] + PORT_STRIDE}/metrics")
         assert decode.wait_metric("npu_llm:kv_transfer_pulls_total", lambda v: v >= 1) == 1  # prefilled apart
+        if kv_pool:
+            assert "KV pool      Mooncake master" in ready
+            prefill = TritonMetrics(f"http://127.0.0.1:{ports['metrics']}/metrics")
+            assert prefill.metric("npu_llm:kv_transfer_saved_blocks_total") >= 4
+            hits = decode.metric("vllm:external_prefix_cache_hits_total")
+            assert hits >= 4 * 16
+            rate = round(hits / decode.metric("vllm:external_prefix_cache_queries_total") * 100)
+            panel, _, _ = ServerMetrics([decode.metrics_url]).refresh()  # (the UI's server panel)
+            assert f"**KV pool hit rate** {rate}%" in panel, panel
         with urllib.request.urlopen(f"http://127.0.0.1:{front['ui']}/", timeout=10) as page:
             assert page.status == 200
 
@@ -215,7 +232,8 @@ def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tm
             listening
         process.send_signal(signal.SIGTERM)
         process.wait(15)
-        every_port = [p + k * PORT_STRIDE for p in ports.values() for k in range(2)] + list(front.values())
+        every_port = [p + k * PORT_STRIDE for p in ports.values() for k in range(2)] + list(front.values()) + \
+            ([front["pool"] + 1] if kv_pool else [])  # (the master's admin server)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (any(_port_open(p) for p in every_port)
                                                or any(Path(f"/proc/{pid}").exists() for pid in family)):
