@@ -20,7 +20,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.engine import LLMEngine
-from backend.engine.kv_transfer.kv_pool import POOL_RETRY_S
+from backend.engine.kv_transfer.kv_pool import POOL_RETRY_S, PoolError
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.entrypoints.kv_pool_master import start_master
@@ -102,6 +102,35 @@ def test_offload_brings_back_a_prefix_the_kv_cache_let_go(tiny_llama_dir, defaul
         engine.shutdown()
 
 
+def test_a_request_loaded_from_host_memory_and_then_preempted_comes_back_the_same(tiny_llama_dir, default_model_dir,
+                                                                                  reference):
+    """A prompt whose head came from the pool, preempted while it decodes (the cache too small for both requests'
+    replies, and it admitted last): it is admitted again, from what the caches still hold, with the same output."""
+    engine = LLMEngine(EngineConfig(**COMMON, model=str(tiny_llama_dir), tokenizer=str(default_model_dir),
+                                    num_kv_blocks=20, kv_offloading_size=0.01))
+    try:
+        first = prompt(14, 180)
+        run(engine, "first", first, max_tokens=4)
+        run(engine, "push", prompt(15, 300), max_tokens=4)  # (the first prompt's blocks leave the cache)
+        again, other = first + [5], prompt(16, 90)
+        for request_id, ids in (("other", other), ("again", again)):  # (the last admitted is the one preempted)
+            engine.add_request(request_id, {"prompt_token_ids": ids},
+                               SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+            engine.step()
+        done = {}
+        while len(done) < 2:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            assert not engine.take_failures()
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv_connector.stats.pulls >= 1
+        for request_id, ids in (("again", again), ("other", other)):
+            reply = run(reference, f"ref-{request_id}", ids, max_tokens=100, ignore_eos=True).outputs[0].token_ids
+            assert done[request_id].outputs[0].token_ids == reply
+        assert_blocks_back(engine)
+    finally:
+        engine.shutdown()
+
+
 # -- Mooncake Store -------------------------------------------------------------------------------
 
 # One engine in another process: it loads what the test's engine saved (the values live in the segment the saving
@@ -175,13 +204,26 @@ def test_an_engine_in_another_process_loads_the_prefix_another_computed(saver, r
     assert_blocks_back(saver)
 
 
+def fine_tuned(model_dir, into):
+    """A copy of the model under the same folder name, one weight changed (same shapes, same config.json)."""
+    from safetensors.torch import load_file, save_file
+
+    copy = into / model_dir.name
+    shutil.copytree(model_dir, copy)
+    [weights] = sorted(copy.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = next(k for k in sorted(tensors) if k.endswith("norm.weight"))
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(weights))
+    return copy
+
+
 def test_another_models_blocks_never_match(saver, master, tiny_llama_dir, default_model_dir, tmp_path):
+    """Not even a fine-tune's of the same name and shapes: the keys carry a fingerprint of the weights."""
     shared = prompt(5, 100)
     run(saver, "shared", shared, max_tokens=4)
     settle(saver)
-    renamed = tmp_path / "another-model"
-    shutil.copytree(tiny_llama_dir, renamed)
-    other = pooled_engine(renamed, default_model_dir)
+    other = pooled_engine(fine_tuned(tiny_llama_dir, tmp_path), default_model_dir)
     try:
         run(other, "shared", shared, max_tokens=4)
         assert other.kv_connector.stats.external_queries > 0 and other.kv_connector.stats.external_hits == 0
@@ -356,3 +398,37 @@ def test_cpu_offload_on_the_npu_copies_blocks_back_on_a_thread_bound_to_the_kv_c
         assert_blocks_back(engine)
     finally:
         engine.shutdown()
+
+
+# -- the host pool and the keys -------------------------------------------------------------------
+
+
+def test_the_host_pool_evicts_a_prompts_tail_before_its_head_and_never_what_a_load_waits_for():
+    from backend.config import KVTransferConfig
+    from backend.engine.kv_transfer.host_pool import HostBlockStore
+
+    store = HostBlockStore(KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                            kv_connector_extra_config={"num_cpu_blocks": 3}))
+    kv = [torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4) + 100 * i for i in range(2)]
+    store.register(kv)
+    assert store.put(["a0", "a1", "a2"], [0, 1, 2]) == 3
+    assert store.put(["b0"], [3]) == 1
+    assert store.contains(["a0", "a1", "a2", "b0"]) == [True, True, False, True]  # (a's tail went first)
+    store.pin(["a1"])  # (a load of it is on its way)
+    assert store.put(["c0", "c1"], [4, 5]) == 2
+    assert store.contains(["a0", "a1", "b0", "c0", "c1"]) == [False, True, False, True, True]
+    assert store.put(["d0", "d1", "d2"], [6, 7, 0]) == 2  # (one slot stays pinned: fewer saved)
+    store.get(["a1"], [7])  # (the bytes of block 1 into block 7)
+    store.unpin(["a1"])
+    assert all(torch.equal(t[7], t[1]) for t in kv)
+    with pytest.raises(PoolError, match="left host memory"):
+        store.get(["c0"], [0])
+
+
+def test_a_models_key_follows_its_files_not_its_path(tmp_path, tiny_llama_dir):
+    from backend.engine.kv_transfer.kv_pool import model_key
+
+    copy = tmp_path / "elsewhere" / tiny_llama_dir.name
+    shutil.copytree(tiny_llama_dir, copy)
+    assert model_key(copy, None) == model_key(tiny_llama_dir, None) != model_key(tiny_llama_dir, "ascend")
+    assert model_key(fine_tuned(tiny_llama_dir, tmp_path), None) != model_key(tiny_llama_dir, None)

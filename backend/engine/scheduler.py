@@ -155,12 +155,14 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-        # New requests only when nobody had to make room this step.
+        # New requests only when nobody had to make room this step, nor waits with its prompt loaded (without chunked
+        # prefill, new short requests would otherwise keep a loaded one's rest from fitting the budget).
         computing: set[bytes] = set()  # hashes of the full blocks that requests admitted in this step will fill
         # passed over for now: a grammar being compiled (vLLM's WAITING_FOR_FSM), or an adapter beyond max_loras
         passed_over: list[Request] = []
         adapters = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and \
+                not self.loaded:
             request = self.waiting[0]
             if request.waiting_for_grammar or self._lora_full(request, adapters):
                 passed_over.append(self.waiting.popleft())
@@ -230,11 +232,12 @@ class Scheduler:
             request.num_computed_tokens = 0
             return False
         self.waiting.popleft()
-        request.num_cached_tokens = num_cached
-        self.kv.record_lookup(request, num_cached)
+        if request.status is RequestStatus.WAITING:  # (a preempted one was counted and scheduled before)
+            request.num_cached_tokens = num_cached
+            self.kv.record_lookup(request, num_cached)
         self.connector.update_state_after_alloc(request, self.kv.block_ids(request), num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.scheduled_time = time.time()
+        request.scheduled_time = request.scheduled_time or time.time()
         self.loading[request.request_id] = request
         return True
 

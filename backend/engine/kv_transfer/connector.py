@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -106,7 +107,7 @@ class KVConnector(ABC):
     @property
     def fail_on_load_error(self) -> bool:
         """Whether a load that fails fails its request (kv_load_failure_policy "fail"), not only a refused claim."""
-        return False
+        return self.config.kv_load_failure_policy == "fail"
 
     def release_refused(self, params: KVTransferParams, prompt_token_ids: list[int]) -> None:
         """A request with these params was refused before it was queued: free what its producer holds for it."""
@@ -132,21 +133,23 @@ class KVConnector(ABC):
         """Stop background threads and sockets, and release the transfer engine's registrations."""
 
 
-def create_connector(config: KVTransferConfig, block_size: int, platform: str, model_name: str) -> KVConnector:
+def create_connector(config: KVTransferConfig, block_size: int, platform: str, model_dir: Path,
+                     quantization: str | None) -> KVConnector:
     """The connector kv_transfer_config names (backend/config/kv_transfer.py checked that it is one of KV_CONNECTORS).
-    model_name keys a pool's blocks (with the KV layout), so that two models never share one."""
+    A pool's keys name the model (model_key: its files and quantization), so that two models never share a block."""
     # The one deliberate cycle of the engine: the interface names its implementations. Lazy, so that Mooncake's
     # transfer engine and store load only where a connector is configured.
     if config.kv_connector == OFFLOADING_CONNECTOR:
         from backend.engine.kv_transfer.host_pool import HostBlockStore
-        from backend.engine.kv_transfer.kv_pool import KVPoolConnector
+        from backend.engine.kv_transfer.kv_pool import KVPoolConnector, model_key
 
-        return KVPoolConnector(config, block_size, HostBlockStore(config), model_name)
+        return KVPoolConnector(config, block_size, HostBlockStore(config), model_key(model_dir, quantization))
     if config.kv_connector in STORE_CONNECTORS:
-        from backend.engine.kv_transfer.kv_pool import KVPoolConnector
+        from backend.engine.kv_transfer.kv_pool import KVPoolConnector, model_key
         from backend.engine.kv_transfer.mooncake_store import MooncakeBlockStore
 
-        return KVPoolConnector(config, block_size, MooncakeBlockStore(config, platform), model_name)
+        return KVPoolConnector(config, block_size, MooncakeBlockStore(config, platform),
+                               model_key(model_dir, quantization))
     from backend.engine.kv_transfer.mooncake import MooncakeConnectorV1
 
     return MooncakeConnectorV1(config, block_size, platform)

@@ -17,7 +17,10 @@ class HostBlockStore(BlockStore):
     def __init__(self, config: KVTransferConfig):
         self.extra = config.kv_connector_extra_config
         self.host: list[torch.Tensor] = []
-        self.index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
+        # key -> slot, least recently used first. A prompt's blocks go in tail first, so that its head, which every
+        # longer prompt needs (a lookup stops at the first miss), is evicted last.
+        self.index: OrderedDict[str, int] = OrderedDict()
+        self.pinned: dict[str, int] = {}  # key -> loads on their way (not evicted meanwhile)
         self.free_slots: list[int] = []
         self._lock = threading.Lock()  # the index: the scheduler's lookups read it beside the worker's copies
 
@@ -39,17 +42,43 @@ class HostBlockStore(BlockStore):
         with self._lock:
             return [key in self.index for key in keys]
 
-    def put(self, keys: list[str], block_ids: list[int]) -> int:
-        keys, block_ids = keys[: self.num_slots], block_ids[: self.num_slots]
-        with self._lock:  # the slots are taken first, the keys published once the bytes are there
-            while len(self.free_slots) < len(keys):
-                self.free_slots.append(self.index.popitem(last=False)[1])
-            slots = [self.free_slots.pop() for _ in keys]
-        source = torch.tensor(block_ids, device=self.tensors[0].device)
-        for host, device in zip(self.host, self.tensors):
-            host[slots] = device.index_select(0, source).to("cpu")
+    def pin(self, keys: list[str]) -> None:
         with self._lock:
-            self.index.update(zip(keys, slots))
+            for key in keys:
+                self.pinned[key] = self.pinned.get(key, 0) + 1
+
+    def unpin(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if self.pinned.get(key, 0) > 1:
+                    self.pinned[key] -= 1
+                else:
+                    self.pinned.pop(key, None)
+
+    def touch(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in reversed(keys):
+                if key in self.index:
+                    self.index.move_to_end(key)
+
+    def put(self, keys: list[str], block_ids: list[int]) -> int:
+        with self._lock:  # the slots are taken first, the keys published once the bytes are there
+            evictable = (key for key in list(self.index) if key not in self.pinned)
+            while len(self.free_slots) < len(keys) and (key := next(evictable, None)) is not None:
+                self.free_slots.append(self.index.pop(key))
+            count = min(len(keys), len(self.free_slots))  # (a pool all pinned, or smaller than the prompt: fewer)
+            keys, block_ids = keys[:count], block_ids[:count]
+            slots = [self.free_slots.pop() for _ in keys]
+        try:
+            source = torch.tensor(block_ids, device=self.tensors[0].device)
+            for host, device in zip(self.host, self.tensors):
+                host[slots] = device.index_select(0, source).to("cpu")
+        except BaseException:
+            with self._lock:
+                self.free_slots.extend(slots)
+            raise
+        with self._lock:
+            self.index.update(zip(reversed(keys), reversed(slots)))
         return len(keys)
 
     def get(self, keys: list[str], block_ids: list[int]) -> None:
@@ -58,7 +87,7 @@ class HostBlockStore(BlockStore):
             if missing:
                 raise PoolError(f"{len(missing)} of {len(keys)} blocks left host memory since the lookup")
             slots = [self.index[key] for key in keys]
-            for key in keys:
+            for key in reversed(keys):
                 self.index.move_to_end(key)
         target = torch.tensor(block_ids, device=self.tensors[0].device)
         for host, device in zip(self.host, self.tensors):

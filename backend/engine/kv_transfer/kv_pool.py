@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,8 +43,14 @@ from backend.engine.request import Request
 
 log = logging.getLogger(__name__)
 
+WEIGHT_SAMPLE_BYTES = 64 << 10  # of each weight file's head and tail, for model_key
 LOOKUP_TIMEOUT_S = 0.5  # a lookup runs inside the scheduler's step: past this, the prompt is computed instead
-POOL_RETRY_S = 10.0  # after a failed lookup, the pool is not asked again for this long
+POOL_RETRY_S = 10.0
+SAVE_WAIT_S = 5.0  # how long a kv_producer's step waits for its saves (kv_connector_extra_config's transfer_timeout_s)
+# Finished requests hold at most this share of the KV cache for their saves: beyond it a request is not saved (a
+# store that is slow, or a burst of long requests, must not pin the cache), as MooncakeConnectorV1 caps what it holds.
+# (One save is always let through, however long its request.)
+MAX_HELD_SHARE = 0.5  # after a failed lookup, the pool is not asked again for this long
 
 
 class PoolError(RuntimeError):
@@ -70,6 +77,15 @@ class BlockStore(ABC):
     def get(self, keys: list[str], block_ids: list[int]) -> None:
         """Load these keys into these blocks, or raise PoolError."""
 
+    def pin(self, keys: list[str]) -> None:
+        """Keep these keys from eviction until unpin (a load of them is on its way). A store that evicts on its own
+        terms (Mooncake's leases) need not."""
+
+    def unpin(self, keys: list[str]) -> None: ...
+
+    def touch(self, keys: list[str]) -> None:
+        """These keys were just used again (a save found them present): evict them last."""
+
     def close(self) -> None:
         """Release what the store holds (registrations, its client)."""
 
@@ -89,22 +105,26 @@ class PoolSave:
 
 
 class KVPoolConnector(KVConnector):
-    def __init__(self, config: KVTransferConfig, block_size: int, store: BlockStore, model_name: str, rank: int = 0,
+    def __init__(self, config: KVTransferConfig, block_size: int, store: BlockStore, model_key: str, rank: int = 0,
                  tp_size: int = 1):
         super().__init__(config, block_size)
         self.store = store
-        self.model_name, self.rank, self.tp_size = model_name, rank, tp_size
+        self.model_key, self.rank, self.tp_size = model_key, rank, tp_size
         self.key_prefix = ""  # set once the KV layout is known (register_kv_caches)
         self.block_bytes = 0  # bytes of one block across every KV tensor
         extra = config.kv_connector_extra_config
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", LOOKUP_TIMEOUT_S))
+        self.transfer_timeout_s = float(extra.get("transfer_timeout_s", SAVE_WAIT_S))
+        self.num_blocks = 0  # the KV cache's (register_kv_caches)
+        self._held = 0  # blocks that finished requests hold until their saves have read them
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kv-pool-lookup")
         self._worker: ThreadPoolExecutor | None = None  # loads and saves, in order (made with the KV tensors)
         self._lookup_pending = None  # a lookup past its deadline, still running: no other is started meanwhile
         self._paused_until = 0.0
         self._loads: list[PoolLoad] = []
         self._saving: list = []  # this step's saves (futures), for wait_for_save
-        self._done: queue.SimpleQueue = queue.SimpleQueue()  # ("load" | "save", request id, None or the error)
+        # ("load", request id, None or the error) or ("save", request id, the blocks it held), as they end
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._no_lookup: set[str] = set()  # requests whose load failed: computed here from now on
         # request id -> (its computed tokens, the pool's hits past them) at its last lookup: a request that waits for
         # blocks is looked up (and counted) once, not at every step
@@ -162,7 +182,9 @@ class KVPoolConnector(KVConnector):
         self._matched.pop(request.request_id, None)
         first = request.num_computed_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        self._loads.append(PoolLoad(request.request_id, self.pool_keys(request, first, last), block_ids[first:last]))
+        keys = self.pool_keys(request, first, last)
+        self.store.pin(keys)  # (a save before the load must not evict what the lookup found)
+        self._loads.append(PoolLoad(request.request_id, keys, block_ids[first:last]))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         metadata, self._loads = KVConnectorMetadata(self._loads), []
@@ -174,6 +196,11 @@ class KVPoolConnector(KVConnector):
         num_full = min(request.num_computed_tokens // self.block_size, len(block_ids))
         if not self.config.is_producer or num_full == 0 or self._paused:
             return False, None
+        if self._held and self._held + num_full > MAX_HELD_SHARE * self.num_blocks:  # (saves behind: not worth a stall)
+            log.info("KV pool: %d blocks wait for saves already; request %s's are not saved", self._held,
+                     request.request_id)
+            return False, None
+        self._held += num_full
         save = PoolSave(request.request_id, self.pool_keys(request, 0, num_full), list(block_ids[:num_full]))
         self._saving.append(self._worker.submit(self._save, save))
         return True, None  # (its blocks are freed once the save has read them: get_finished's sending)
@@ -181,10 +208,6 @@ class KVPoolConnector(KVConnector):
     def load_failed(self, request_id: str) -> None:
         """A load of this request failed: it is computed here, and not looked up again."""
         self._no_lookup.add(request_id)
-
-    @property
-    def fail_on_load_error(self) -> bool:
-        return self.config.kv_load_failure_policy == "fail"
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -194,9 +217,10 @@ class KVPoolConnector(KVConnector):
             if not t.is_contiguous():
                 raise ValueError("a KV tensor a pool copies must be contiguous blocks")
         self.block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        self.num_blocks = tensors[0].shape[0]
         layout = repr([(str(t.dtype), tuple(t.shape[1:])) for t in tensors])
         fingerprint = hashlib.sha256(f"{layout}|{self.block_size}".encode()).hexdigest()[:16]
-        self.key_prefix = f"npu-llm/{self.model_name}/{fingerprint}/tp{self.tp_size}.{self.rank}"
+        self.key_prefix = f"npu-llm/{self.model_key}/{fingerprint}/tp{self.tp_size}.{self.rank}"
         self.store.register(tensors)
         # (on an accelerator the thread's copies run on the KV cache's device, as vllm-ascend binds its threads)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-pool", initializer=bind_to, initargs=(
@@ -213,6 +237,7 @@ class KVPoolConnector(KVConnector):
         try:
             self.store.get(load.keys, load.block_ids)
         except Exception as e:  # (reported; the scheduler recomputes or fails the request, per the policy)
+            self.store.unpin(load.keys)
             log.warning("KV pool: loading request %s's %d blocks failed: %s", load.request_id, len(load.keys), e)
             with self._lock:
                 self.stats.failures += 1
@@ -223,20 +248,24 @@ class KVPoolConnector(KVConnector):
             self.stats.blocks += len(load.keys)
             self.stats.bytes += len(load.keys) * self.block_bytes
             self.stats.seconds += time.perf_counter() - started
+        self.store.unpin(load.keys)
         self._done.put(("load", load.request_id, None))
 
     def _save(self, save: PoolSave) -> None:
         try:
             present = self.store.contains(save.keys)
+            self.store.touch([key for key, there in zip(save.keys, present) if there])
             missing = [i for i, there in enumerate(present) if not there]
             saved = self.store.put([save.keys[i] for i in missing], [save.block_ids[i] for i in missing]) \
                 if missing else 0
             with self._lock:
                 self.stats.saved_blocks += saved
                 self.stats.saved_bytes += saved * self.block_bytes
-        except Exception as e:  # (a save that fails loses only a future hit)
-            log.warning("KV pool: saving request %s's blocks failed: %s", save.request_id, e)
-        self._done.put(("save", save.request_id, None))
+        except Exception as e:  # (a save that fails loses only a future hit; a store that fails is left alone)
+            self._paused_until = time.monotonic() + POOL_RETRY_S
+            log.warning("KV pool: saving request %s's blocks failed (%s); nothing is saved or looked up for the "
+                        "next %.0f s", save.request_id, e, POOL_RETRY_S)
+        self._done.put(("save", save.request_id, len(save.block_ids)))
 
     def wait_for_save(self) -> None:
         """A kv_producer (a prefill server whose decode servers load from the pool) ends the step only once its
@@ -244,28 +273,55 @@ class KVPoolConnector(KVConnector):
         wait_for_save). kv_both saves in the background."""
         saving, self._saving = self._saving, []
         if self.config.kv_role == "kv_producer":
-            for future in saving:
-                future.result()
+            try:
+                for future in saving:
+                    future.result(timeout=self.transfer_timeout_s)
+            except FutureTimeout:  # (the save goes on, its blocks held; the answer goes now, the decode recomputes)
+                log.warning("KV pool: a save took longer than %g s; answering without waiting for it",
+                            self.transfer_timeout_s)
 
     def get_finished(self) -> FinishedTransfers:
         finished = FinishedTransfers()
         while True:
             try:
-                kind, request_id, error = self._done.get_nowait()
+                kind, request_id, outcome = self._done.get_nowait()
             except queue.Empty:
                 return finished
             if kind == "save":
                 finished.sending.add(request_id)
-            elif error is None:
+                self._held -= outcome
+            elif outcome is None:
                 finished.recving.add(request_id)
             else:
-                finished.failed[request_id] = error
+                finished.failed[request_id] = outcome
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self._lookup_pending is not None:  # (a lookup past its deadline still in the store's client)
+            try:
+                self._lookup_pending.result(timeout=SAVE_WAIT_S)
+            except Exception:  # (it failed, or hangs: closing is all that is left)
+                pass
         self.store.close()
+
+
+def model_key(model_dir: Path, quantization: str | None) -> str:
+    """What a pool's keys call a model: its folder's name and a fingerprint of what it computes: config.json, the
+    quantization asked for, and each weight file's name, size, first and last 64 KiB (a fine-tune of the same shape
+    differs there). The same wherever the files are, so that instances on other hosts share the blocks."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256(repr(quantization).encode())
+    files = [model_dir] if model_dir.is_file() else sorted(
+        p for p in model_dir.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".gguf"))
+    for path in files:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(WEIGHT_SAMPLE_BYTES)
+            f.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
+            digest.update(f"{path.name}|{size}|".encode() + head + f.read())
+    return f"{model_dir.stem}-{digest.hexdigest()[:16]}"
 
 
 def bind_to(device: torch.device) -> None:
