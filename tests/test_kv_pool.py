@@ -123,6 +123,8 @@ def test_a_request_loaded_from_host_memory_and_then_preempted_comes_back_the_sam
             assert not engine.take_failures()
         assert engine.scheduler.num_preemptions > 0
         assert engine.kv_connector.stats.pulls >= 1
+        # (each prompt counted once in the prefix-cache stats, however often it was admitted)
+        assert engine.kv.prefix_queries == len(first) + 300 + len(again) + len(other)
         for request_id, ids in (("again", again), ("other", other)):
             reply = run(reference, f"ref-{request_id}", ids, max_tokens=100, ignore_eos=True).outputs[0].token_ids
             assert done[request_id].outputs[0].token_ids == reply
@@ -155,20 +157,22 @@ PEER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     """A mooncake_master of the test's own, and the Mooncake config its engines read (64 MiB lent each)."""
-    master = start_master(free_port(), free_port())
-    config = tmp_path_factory.mktemp("mooncake") / "mooncake.json"
-    rpc_port = int(next(a for a in master.args if a.startswith("--rpc_port=")).split("=")[1])
-    config.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
-                                  "master_server_address": f"127.0.0.1:{rpc_port}", "protocol": "tcp",
-                                  "global_segment_size": "64MB", "local_buffer_size": "16MB"}))
+    rpc_port = free_port()
+    master = start_master(rpc_port, free_port())
     saved = os.environ.get("MOONCAKE_CONFIG_PATH")
-    os.environ["MOONCAKE_CONFIG_PATH"] = str(config)
-    yield master
-    if saved is None:
-        del os.environ["MOONCAKE_CONFIG_PATH"]
-    else:
-        os.environ["MOONCAKE_CONFIG_PATH"] = saved
-    stop_process_group(master)
+    try:
+        config = tmp_path_factory.mktemp("mooncake") / "mooncake.json"
+        config.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                                      "master_server_address": f"127.0.0.1:{rpc_port}", "protocol": "tcp",
+                                      "global_segment_size": "64MB", "local_buffer_size": "16MB"}))
+        os.environ["MOONCAKE_CONFIG_PATH"] = str(config)
+        yield master
+    finally:
+        if saved is None:
+            os.environ.pop("MOONCAKE_CONFIG_PATH", None)
+        else:
+            os.environ["MOONCAKE_CONFIG_PATH"] = saved
+        stop_process_group(master)
 
 
 def pooled_engine(model_dir, tokenizer_dir, **transfer) -> LLMEngine:
@@ -205,14 +209,15 @@ def test_an_engine_in_another_process_loads_the_prefix_another_computed(saver, r
 
 
 def fine_tuned(model_dir, into):
-    """A copy of the model under the same folder name, one weight changed (same shapes, same config.json)."""
+    """A copy of the model under the same folder name, one of its first layer's weights changed (same shapes, same
+    config.json)."""
     from safetensors.torch import load_file, save_file
 
     copy = into / model_dir.name
     shutil.copytree(model_dir, copy)
     [weights] = sorted(copy.glob("*.safetensors"))
     tensors = load_file(str(weights))
-    name = next(k for k in sorted(tensors) if k.endswith("norm.weight"))
+    name = next(k for k in sorted(tensors) if ".layers.0." in k and k.endswith("proj.weight"))
     tensors[name] = tensors[name] + 1
     save_file(tensors, str(weights))
     return copy
@@ -286,15 +291,15 @@ def test_a_value_of_the_wrong_size_is_recomputed_or_fails_by_the_policy(saver, m
 
 def test_a_master_killed_mid_run_costs_a_recompute_not_a_request(tiny_llama_dir, default_model_dir, reference,
                                                                  tmp_path, monkeypatch, caplog):
-    own = start_master(free_port(), free_port())
-    rpc_port = int(next(a for a in own.args if a.startswith("--rpc_port=")).split("=")[1])
-    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
-    monkeypatch.setenv("MOONCAKE_MASTER", f"127.0.0.1:{rpc_port}")
-    config = tmp_path / "mooncake.json"  # (the sizes; the master's address from MOONCAKE_MASTER)
-    config.write_text(json.dumps({"global_segment_size": "64MB", "local_buffer_size": "16MB"}))
-    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
-    engine = pooled_engine(tiny_llama_dir, default_model_dir)
+    rpc_port = free_port()
+    own = start_master(rpc_port, free_port())
+    engine = None
     try:
+        monkeypatch.setenv("MOONCAKE_MASTER", f"127.0.0.1:{rpc_port}")
+        config = tmp_path / "mooncake.json"  # (the sizes; the master's address from MOONCAKE_MASTER)
+        config.write_text(json.dumps({"global_segment_size": "64MB", "local_buffer_size": "16MB"}))
+        monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+        engine = pooled_engine(tiny_llama_dir, default_model_dir)
         text = prompt(9, 150)
         run(engine, "before", text, max_tokens=4)
         settle(engine)
@@ -308,7 +313,8 @@ def test_a_master_killed_mid_run_costs_a_recompute_not_a_request(tiny_llama_dir,
         assert engine.kv_connector.stats.external_hits == 0 or engine.kv_connector.stats.failures >= 1
         assert_blocks_back(engine)
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         stop_process_group(own)
 
 
@@ -418,6 +424,9 @@ def test_the_host_pool_evicts_a_prompts_tail_before_its_head_and_never_what_a_lo
     assert store.put(["c0", "c1"], [4, 5]) == 2
     assert store.contains(["a0", "a1", "b0", "c0", "c1"]) == [False, True, False, True, True]
     assert store.put(["d0", "d1", "d2"], [6, 7, 0]) == 2  # (one slot stays pinned: fewer saved)
+    store.pin(["d0", "d1"])
+    assert store.put(["e0"], [2]) == 0 and store.contains(["d0", "d1", "e0"]) == [True, True, False]  # (all pinned)
+    store.unpin(["d0", "d1"])
     store.get(["a1"], [7])  # (the bytes of block 1 into block 7)
     store.unpin(["a1"])
     assert all(torch.equal(t[7], t[1]) for t in kv)
@@ -430,5 +439,6 @@ def test_a_models_key_follows_its_files_not_its_path(tmp_path, tiny_llama_dir):
 
     copy = tmp_path / "elsewhere" / tiny_llama_dir.name
     shutil.copytree(tiny_llama_dir, copy)
-    assert model_key(copy, None) == model_key(tiny_llama_dir, None) != model_key(tiny_llama_dir, "ascend")
-    assert model_key(fine_tuned(tiny_llama_dir, tmp_path), None) != model_key(tiny_llama_dir, None)
+    key = model_key("tiny", tiny_llama_dir, None)
+    assert key.startswith("tiny-") and model_key("tiny", copy, None) == key != model_key("tiny", copy, "ascend")
+    assert model_key("tiny", fine_tuned(tiny_llama_dir, tmp_path), None) != key

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -88,8 +89,8 @@ class LLMEngine:
         # process
         self.kv_connector: KVConnector | None = None
         if (transfer := config.kv_transfer) is not None:
-            self.kv_connector = create_connector(transfer, config.block_size, self.platform.name, self.model_dir,
-                                                 config.quantization)
+            self.kv_connector = create_connector(transfer, config.block_size, self.platform.name,
+                                                 Path(config.model).name, self.model_dir, config.quantization)
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,

@@ -133,7 +133,7 @@ class KVConnector(ABC):
         """Stop background threads and sockets, and release the transfer engine's registrations."""
 
 
-def create_connector(config: KVTransferConfig, block_size: int, platform: str, model_dir: Path,
+def create_connector(config: KVTransferConfig, block_size: int, platform: str, model_name: str, model_dir: Path,
                      quantization: str | None) -> KVConnector:
     """The connector kv_transfer_config names (backend/config/kv_transfer.py checked that it is one of KV_CONNECTORS).
     A pool's keys name the model (model_key: its files and quantization), so that two models never share a block."""
@@ -143,13 +143,13 @@ def create_connector(config: KVTransferConfig, block_size: int, platform: str, m
         from backend.engine.kv_transfer.host_pool import HostBlockStore
         from backend.engine.kv_transfer.kv_pool import KVPoolConnector, model_key
 
-        return KVPoolConnector(config, block_size, HostBlockStore(config), model_key(model_dir, quantization))
+        return KVPoolConnector(config, block_size, HostBlockStore(config), model_key(model_name, model_dir, quantization))
     if config.kv_connector in STORE_CONNECTORS:
         from backend.engine.kv_transfer.kv_pool import KVPoolConnector, model_key
         from backend.engine.kv_transfer.mooncake_store import MooncakeBlockStore
 
         return KVPoolConnector(config, block_size, MooncakeBlockStore(config, platform),
-                               model_key(model_dir, quantization))
+                               model_key(model_name, model_dir, quantization))
     from backend.engine.kv_transfer.mooncake import MooncakeConnectorV1
 
     return MooncakeConnectorV1(config, block_size, platform)

@@ -63,12 +63,14 @@ class HostBlockStore(BlockStore):
 
     def put(self, keys: list[str], block_ids: list[int]) -> int:
         with self._lock:  # the slots are taken first, the keys published once the bytes are there
-            evictable = (key for key in list(self.index) if key not in self.pinned)
-            while len(self.free_slots) < len(keys) and (key := next(evictable, None)) is not None:
-                self.free_slots.append(self.index.pop(key))
+            if len(self.free_slots) < len(keys):
+                evictable = [key for key in self.index if key not in self.pinned][:len(keys) - len(self.free_slots)]
+                self.free_slots += [self.index.pop(key) for key in evictable]
             count = min(len(keys), len(self.free_slots))  # (a pool all pinned, or smaller than the prompt: fewer)
             keys, block_ids = keys[:count], block_ids[:count]
             slots = [self.free_slots.pop() for _ in keys]
+        if not keys:
+            return 0
         try:
             source = torch.tensor(block_ids, device=self.tensors[0].device)
             for host, device in zip(self.host, self.tensors):

@@ -24,12 +24,13 @@ Mooncake Store every instance shares (MooncakeStoreConnector; mooncake_store.py)
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +44,14 @@ from backend.engine.request import Request
 
 log = logging.getLogger(__name__)
 
-WEIGHT_SAMPLE_BYTES = 64 << 10  # of each weight file's head and tail, for model_key
+TENSOR_SAMPLE_BYTES = 256  # of each weight tensor's start, for model_key
 LOOKUP_TIMEOUT_S = 0.5  # a lookup runs inside the scheduler's step: past this, the prompt is computed instead
-POOL_RETRY_S = 10.0
+POOL_RETRY_S = 10.0  # after a failed lookup or save, the pool is not asked again for this long
 SAVE_WAIT_S = 5.0  # how long a kv_producer's step waits for its saves (kv_connector_extra_config's transfer_timeout_s)
 # Finished requests hold at most this share of the KV cache for their saves: beyond it a request is not saved (a
 # store that is slow, or a burst of long requests, must not pin the cache), as MooncakeConnectorV1 caps what it holds.
 # (One save is always let through, however long its request.)
-MAX_HELD_SHARE = 0.5  # after a failed lookup, the pool is not asked again for this long
+MAX_HELD_SHARE = 0.5
 
 
 class PoolError(RuntimeError):
@@ -254,10 +255,15 @@ class KVPoolConnector(KVConnector):
     def _save(self, save: PoolSave) -> None:
         try:
             present = self.store.contains(save.keys)
-            self.store.touch([key for key, there in zip(save.keys, present) if there])
+            kept = [key for key, there in zip(save.keys, present) if there]
             missing = [i for i, there in enumerate(present) if not there]
-            saved = self.store.put([save.keys[i] for i in missing], [save.block_ids[i] for i in missing]) \
-                if missing else 0
+            self.store.pin(kept)  # (the put must not evict the prompt's head to make room for its tail)
+            try:
+                saved = self.store.put([save.keys[i] for i in missing], [save.block_ids[i] for i in missing]) \
+                    if missing else 0
+            finally:
+                self.store.unpin(kept)
+            self.store.touch(save.keys)
             with self._lock:
                 self.stats.saved_blocks += saved
                 self.stats.saved_bytes += saved * self.block_bytes
@@ -273,11 +279,9 @@ class KVPoolConnector(KVConnector):
         wait_for_save). kv_both saves in the background."""
         saving, self._saving = self._saving, []
         if self.config.kv_role == "kv_producer":
-            try:
-                for future in saving:
-                    future.result(timeout=self.transfer_timeout_s)
-            except FutureTimeout:  # (the save goes on, its blocks held; the answer goes now, the decode recomputes)
-                log.warning("KV pool: a save took longer than %g s; answering without waiting for it",
+            _, late = wait(saving, timeout=self.transfer_timeout_s)
+            if late:  # (they go on, their blocks held; the answers go now, and their decode servers recompute)
+                log.warning("KV pool: %d saves took longer than %g s; answering without waiting for them", len(late),
                             self.transfer_timeout_s)
 
     def get_finished(self) -> FinishedTransfers:
@@ -307,21 +311,24 @@ class KVPoolConnector(KVConnector):
         self.store.close()
 
 
-def model_key(model_dir: Path, quantization: str | None) -> str:
-    """What a pool's keys call a model: its folder's name and a fingerprint of what it computes: config.json, the
-    quantization asked for, and each weight file's name, size, first and last 64 KiB (a fine-tune of the same shape
-    differs there). The same wherever the files are, so that instances on other hosts share the blocks."""
-    model_dir = Path(model_dir)
+def model_key(name: str, model_dir: Path, quantization: str | None) -> str:
+    """What a pool's keys call a model: its name (the model argument's last part) and a fingerprint of what it
+    computes: config.json, the quantization asked for, and the start of every weight tensor (a fine-tune of the same
+    name and shapes differs there, whichever tensors it changed). The same wherever the files are, so that instances
+    on other hosts share the blocks; a few bytes a tensor, so quick for any size of model."""
     digest = hashlib.sha256(repr(quantization).encode())
-    files = [model_dir] if model_dir.is_file() else sorted(
-        p for p in model_dir.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".gguf"))
-    for path in files:
-        size = path.stat().st_size
+    config = Path(model_dir) / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
         with open(path, "rb") as f:
-            head = f.read(WEIGHT_SAMPLE_BYTES)
-            f.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
-            digest.update(f"{path.name}|{size}|".encode() + head + f.read())
-    return f"{model_dir.stem}-{digest.hexdigest()[:16]}"
+            header_bytes = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_bytes))
+            for tensor in sorted(k for k in header if k != "__metadata__"):
+                begin, end = header[tensor]["data_offsets"]
+                f.seek(8 + header_bytes + begin)
+                digest.update(tensor.encode() + f.read(min(end - begin, TENSOR_SAMPLE_BYTES)))
+    return f"{name}-{digest.hexdigest()[:16]}"
 
 
 def bind_to(device: torch.device) -> None:
