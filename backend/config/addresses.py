@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def is_loopback(host: str) -> bool:
@@ -12,3 +13,10 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on host now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -11,9 +11,9 @@ start Ray without it. Ray is an optional extra: pip install 'npu-llm[ray]'.
 from __future__ import annotations
 
 import os
-import socket
 
 from backend.config import EngineConfig
+from backend.config.addresses import free_port
 from backend.distributed import TensorParallel, init_tensor_parallel, timeout
 from backend.engine.workers import Workers, run_worker, share_cpu_threads
 from backend.platform import VISIBLE_DEVICES
@@ -115,7 +115,7 @@ def _start(ray, config: EngineConfig, device, workers: RayWorkers) -> TensorPara
     host = ray.util.get_node_ip_address()
     if accelerator:
         _check_not_ours(ray.get([actor.place.remote(accelerator) for actor in workers.actors]), host, device)
-    init_method = f"tcp://{host}:{_free_port(host)}"
+    init_method = f"tcp://{host}:{free_port(host)}"
     rank_device = "cpu" if accelerator is None else f"{device.type}:0"  # (the one device Ray lets it see)
     workers.runs = [actor.run.remote(config, rank_device, rank, size, init_method, threads)
                     for rank, actor in enumerate(workers.actors, start=1)]
@@ -162,8 +162,3 @@ def _check_not_ours(places: list[tuple[str, list[str]]], host: str, device) -> N
             raise RuntimeError(f"Ray gave rank {rank} the engine's own device ({device}, id {ours}): start Ray on "
                                f"this machine without it, e.g. {variable}=<the other ids> ray start --head")
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -33,7 +33,10 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
-        self.num_external_computed_tokens = 0  # prompt tokens, past the prefix-cache hits, that another engine or a KV pool gave it
+        # prompt tokens, past the prefix-cache hits, that another engine or a KV pool gave it; and whether a load of
+        # them failed (its prompt is then computed here)
+        self.num_external_computed_tokens = 0
+        self.external_load_failed = False
         self.block_hashes: list[bytes] = []  # prefix-cache hash chain over its full blocks of tokens
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -174,7 +174,8 @@ class Scheduler:
             if self._next_block_being_computed(request, len(hits), computing):
                 break  # wait one step and take it from the prefix cache (n > 1 siblings, repeated prompts)
             num_new = len(request.token_ids) - num_cached
-            num_external = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
+            num_external = self.connector.get_num_new_matched_tokens(request, num_cached) \
+                if self.connector and not request.external_load_failed else 0
             if num_external:
                 if self.num_holding >= self.max_num_seqs or not self._start_loading(request, hits, num_external):
                     break
@@ -275,7 +276,7 @@ class Scheduler:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.status = RequestStatus.PREEMPTED  # (recomputed: its prefix lookup is counted already)
-                self.connector.load_failed(request_id)
+                request.external_load_failed = True  # (computed here from now on, not loaded again)
                 if isinstance(error, ValueError) or self.connector.fail_on_load_error:
                     failed.append((request, error))
                 else:

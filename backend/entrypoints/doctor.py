@@ -217,20 +217,30 @@ def check_model(model: str) -> Check:
     return Check("model files", OK, str(folder))
 
 
+def _model_json(repository: Path) -> Path:
+    return repository / "llm" / "1" / "model.json"
+
+
+def _served(repository: Path, engine_args: dict):
+    """What the repository's llm model runs as, engine_args over its model.json (a ValueError or JSONDecodeError
+    naming what is wrong)."""
+    from backend.triton.model_json import parse_model_json
+
+    model_json = _model_json(repository)
+    return parse_model_json({**(json.loads(model_json.read_text()) if model_json.exists() else {}), **engine_args})
+
+
 def check_layout(repository: Path, engine_args: dict, npu_usable: bool) -> Check:
     """What the repository's llm model runs as (data_parallel_size engines x tensor_parallel_size ranks), and
     whether this machine has the devices for it."""
     import torch
 
     from backend.platform import VISIBLE_DEVICES, device_type
-    from backend.triton.model_json import parse_model_json
 
-    model_json = repository / "llm" / "1" / "model.json"
     try:
-        served = parse_model_json({**(json.loads(model_json.read_text()) if model_json.exists() else {}),
-                                   **engine_args})
+        served = _served(repository, engine_args)
     except (ValueError, json.JSONDecodeError) as e:
-        return Check("serving layout", FAIL, str(e)[:160], f"fix {model_json}")
+        return Check("serving layout", FAIL, str(e)[:160], f"fix {_model_json(repository)}")
     device = device_type(served.config.device)
     # with the Ray executor only each engine's rank 0 runs here; Ray places the others on its cluster
     ray = served.config.distributed_executor_backend == "ray"
@@ -255,15 +265,13 @@ def check_kv_pool(repository: Path, engine_args: dict) -> list[Check]:
     """With a KV pool over Mooncake Store configured: whether its master answers (docs/kv-pool.md)."""
     import socket
 
-    from backend.triton.model_json import parse_model_json
+    from backend.config.kv_transfer import STORE_CONNECTORS
 
-    model_json = repository / "llm" / "1" / "model.json"
     try:
-        transfer = parse_model_json({**(json.loads(model_json.read_text()) if model_json.exists() else {}),
-                                     **engine_args}).config.kv_transfer
+        transfer = _served(repository, engine_args).config.kv_transfer
     except (ValueError, json.JSONDecodeError):
         return []  # (check_layout reports it)
-    if transfer is None or not transfer.is_pool or transfer.kv_connector == "OffloadingConnector":
+    if transfer is None or transfer.kv_connector not in STORE_CONNECTORS:
         return []
     from backend.engine.kv_transfer.mooncake_store import mooncake_settings
 

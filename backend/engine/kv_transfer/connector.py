@@ -12,6 +12,7 @@ pass; a layer-wise pushing connector would add wait_for_layer_load / save_kv_lay
 """
 from __future__ import annotations
 
+import queue
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from backend.config import KVTransferConfig
-from backend.config.kv_transfer import OFFLOADING_CONNECTOR, STORE_CONNECTORS
+from backend.config.kv_transfer import OFFLOADING_CONNECTOR
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.request import Request
 
@@ -101,9 +102,6 @@ class KVConnector(ABC):
         """A request ended: (whether its blocks must wait for a consumer before they are freed, the
         kv_transfer_params to return to the client)."""
 
-    def load_failed(self, request_id: str) -> None:
-        """A load of this request failed and it is computed here instead (a pool then no longer offers it)."""
-
     @property
     def fail_on_load_error(self) -> bool:
         """Whether a load that fails fails its request (kv_load_failure_policy "fail"), not only a refused claim."""
@@ -133,23 +131,34 @@ class KVConnector(ABC):
         """Stop background threads and sockets, and release the transfer engine's registrations."""
 
 
+def drain(finished: queue.SimpleQueue) -> list:
+    """What a connector's threads put on this queue since the last call."""
+    items = []
+    while True:
+        try:
+            items.append(finished.get_nowait())
+        except queue.Empty:
+            return items
+
+
 def create_connector(config: KVTransferConfig, block_size: int, platform: str, model_name: str, model_dir: Path,
                      quantization: str | None) -> KVConnector:
     """The connector kv_transfer_config names (backend/config/kv_transfer.py checked that it is one of KV_CONNECTORS).
     A pool's keys name the model (model_key: its files and quantization), so that two models never share a block."""
     # The one deliberate cycle of the engine: the interface names its implementations. Lazy, so that Mooncake's
     # transfer engine and store load only where a connector is configured.
-    if config.kv_connector == OFFLOADING_CONNECTOR:
-        from backend.engine.kv_transfer.host_pool import HostBlockStore
+    if config.is_pool:
         from backend.engine.kv_transfer.kv_pool import KVPoolConnector, model_key
 
-        return KVPoolConnector(config, block_size, HostBlockStore(config), model_key(model_name, model_dir, quantization))
-    if config.kv_connector in STORE_CONNECTORS:
-        from backend.engine.kv_transfer.kv_pool import KVPoolConnector, model_key
-        from backend.engine.kv_transfer.mooncake_store import MooncakeBlockStore
+        if config.kv_connector == OFFLOADING_CONNECTOR:
+            from backend.engine.kv_transfer.host_pool import HostBlockStore
 
-        return KVPoolConnector(config, block_size, MooncakeBlockStore(config, platform),
-                               model_key(model_name, model_dir, quantization))
+            store = HostBlockStore(config)
+        else:
+            from backend.engine.kv_transfer.mooncake_store import MooncakeBlockStore
+
+            store = MooncakeBlockStore(config, platform)
+        return KVPoolConnector(config, block_size, store, model_key(model_name, model_dir, quantization))
     from backend.engine.kv_transfer.mooncake import MooncakeConnectorV1
 
     return MooncakeConnectorV1(config, block_size, platform)

@@ -26,12 +26,12 @@ class HostBlockStore(BlockStore):
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         super().register(tensors)
-        block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        block_bytes = sum(self.block_bytes)
         num_slots = int(self.extra.get("num_cpu_blocks") or self.extra["cpu_bytes_to_use"] // block_bytes)
         if num_slots < 1:
             raise ValueError(f"kv_offloading_size holds no KV block ({block_bytes} bytes each): make it larger")
-        pin = tensors[0].device.type != "cpu" and torch.cuda.is_available()  # (pinned copies to and from a GPU)
-        self.host = [torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in tensors]
+        page_locked = tensors[0].device.type != "cpu" and torch.cuda.is_available()  # (faster copies to and from a GPU)
+        self.host = [torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=page_locked) for t in tensors]
         self.free_slots = list(range(num_slots - 1, -1, -1))
 
     @property

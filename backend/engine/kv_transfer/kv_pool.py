@@ -17,7 +17,7 @@ Mooncake Store every instance shares (MooncakeStoreConnector; mooncake_store.py)
   another model's or another layout's blocks never match.
 - A pool that fails (the store down, a lookup past its deadline, a block evicted between lookup and load, a value of
   the wrong size) costs a recompute, never a request: unless kv_load_failure_policy is "fail", the prompt is computed
-  here instead, once, and the request is not looked up again. After a failed lookup, lookups pause for
+  here instead, and the scheduler does not look the request up again. After a failed lookup, lookups pause for
   POOL_RETRY_S, so that a dead store does not cost every admission its deadline. A load or save is never abandoned
   while it may still touch the request's blocks: the store's own transfer timeout bounds it.
 """
@@ -39,7 +39,7 @@ import torch
 
 from backend.config import KVTransferConfig
 from backend.engine.kv_cache import block_hash_chain
-from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata
+from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, drain
 from backend.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class BlockStore(ABC):
     def register(self, tensors: list[torch.Tensor]) -> None:
         """The KV tensors, once allocated (first dimension: the block)."""
         self.tensors = tensors
+        self.block_bytes = [t[0].numel() * t.element_size() for t in tensors]  # each tensor's bytes a block
 
     @abstractmethod
     def contains(self, keys: list[str]) -> list[bool]: ...
@@ -92,14 +93,9 @@ class BlockStore(ABC):
 
 
 @dataclass
-class PoolLoad:
-    request_id: str
-    keys: list[str]
-    block_ids: list[int]
+class PoolTransfer:
+    """A load into a request's blocks, or a save of them: its keys and block ids, in the same order."""
 
-
-@dataclass
-class PoolSave:
     request_id: str
     keys: list[str]
     block_ids: list[int]
@@ -122,11 +118,10 @@ class KVPoolConnector(KVConnector):
         self._worker: ThreadPoolExecutor | None = None  # loads and saves, in order (made with the KV tensors)
         self._lookup_pending = None  # a lookup past its deadline, still running: no other is started meanwhile
         self._paused_until = 0.0
-        self._loads: list[PoolLoad] = []
+        self._loads: list[PoolTransfer] = []
         self._saving: list = []  # this step's saves (futures), for wait_for_save
         # ("load", request id, None or the error) or ("save", request id, the blocks it held), as they end
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._no_lookup: set[str] = set()  # requests whose load failed: computed here from now on
         # request id -> (its computed tokens, the pool's hits past them) at its last lookup: a request that waits for
         # blocks is looked up (and counted) once, not at every step
         self._matched: dict[str, tuple[int, int]] = {}
@@ -142,7 +137,7 @@ class KVPoolConnector(KVConnector):
     # -- scheduler side ---------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if not self.config.is_consumer or request.request_id in self._no_lookup:
+        if not self.config.is_consumer:
             return 0
         if request.params.prompt_logprobs is not None and not request.output_token_ids:
             return 0  # (a loaded block has no logits, as a prefix-cache hit has none)
@@ -185,14 +180,13 @@ class KVPoolConnector(KVConnector):
         last = first + num_external_tokens // self.block_size
         keys = self.pool_keys(request, first, last)
         self.store.pin(keys)  # (a save before the load must not evict what the lookup found)
-        self._loads.append(PoolLoad(request.request_id, keys, block_ids[first:last]))
+        self._loads.append(PoolTransfer(request.request_id, keys, block_ids[first:last]))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         metadata, self._loads = KVConnectorMetadata(self._loads), []
         return metadata
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._no_lookup.discard(request.request_id)
         self._matched.pop(request.request_id, None)
         num_full = min(request.num_computed_tokens // self.block_size, len(block_ids))
         if not self.config.is_producer or num_full == 0 or self._paused:
@@ -202,13 +196,9 @@ class KVPoolConnector(KVConnector):
                      request.request_id)
             return False, None
         self._held += num_full
-        save = PoolSave(request.request_id, self.pool_keys(request, 0, num_full), list(block_ids[:num_full]))
+        save = PoolTransfer(request.request_id, self.pool_keys(request, 0, num_full), list(block_ids[:num_full]))
         self._saving.append(self._worker.submit(self._save, save))
         return True, None  # (its blocks are freed once the save has read them: get_finished's sending)
-
-    def load_failed(self, request_id: str) -> None:
-        """A load of this request failed: it is computed here, and not looked up again."""
-        self._no_lookup.add(request_id)
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -217,12 +207,12 @@ class KVPoolConnector(KVConnector):
         for t in tensors:
             if not t.is_contiguous():
                 raise ValueError("a KV tensor a pool copies must be contiguous blocks")
-        self.block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        self.store.register(tensors)
+        self.block_bytes = sum(self.store.block_bytes)
         self.num_blocks = tensors[0].shape[0]
         layout = repr([(str(t.dtype), tuple(t.shape[1:])) for t in tensors])
         fingerprint = hashlib.sha256(f"{layout}|{self.block_size}".encode()).hexdigest()[:16]
         self.key_prefix = f"npu-llm/{self.model_key}/{fingerprint}/tp{self.tp_size}.{self.rank}"
-        self.store.register(tensors)
         # (on an accelerator the thread's copies run on the KV cache's device, as vllm-ascend binds its threads)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-pool", initializer=bind_to, initargs=(
             tensors[0].device,))
@@ -233,7 +223,7 @@ class KVPoolConnector(KVConnector):
         for load in metadata.loads:
             self._worker.submit(self._load, load)
 
-    def _load(self, load: PoolLoad) -> None:
+    def _load(self, load: PoolTransfer) -> None:
         started = time.perf_counter()
         try:
             self.store.get(load.keys, load.block_ids)
@@ -252,7 +242,7 @@ class KVPoolConnector(KVConnector):
         self.store.unpin(load.keys)
         self._done.put(("load", load.request_id, None))
 
-    def _save(self, save: PoolSave) -> None:
+    def _save(self, save: PoolTransfer) -> None:
         try:
             present = self.store.contains(save.keys)
             kept = [key for key, there in zip(save.keys, present) if there]
@@ -286,11 +276,7 @@ class KVPoolConnector(KVConnector):
 
     def get_finished(self) -> FinishedTransfers:
         finished = FinishedTransfers()
-        while True:
-            try:
-                kind, request_id, outcome = self._done.get_nowait()
-            except queue.Empty:
-                return finished
+        for kind, request_id, outcome in drain(self._done):
             if kind == "save":
                 finished.sending.add(request_id)
                 self._held -= outcome
@@ -298,6 +284,7 @@ class KVPoolConnector(KVConnector):
                 finished.recving.add(request_id)
             else:
                 finished.failed[request_id] = outcome
+        return finished
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -32,7 +32,7 @@ import torch
 from backend.config.addresses import is_loopback
 from backend.config import KVTransferConfig
 from backend.config.control_key import control_key
-from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad
+from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, KVLoad, drain
 from backend.engine.kv_transfer.loopback import listeners_are_local
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.kv_transfer.side_channel import SideChannelServer, Unavailable, call
@@ -194,15 +194,12 @@ class MooncakeConnectorV1(KVConnector):
             for request_id in [r for r, when in self._expired.items() if when < now - self.config.abort_timeout_s]:
                 del self._expired[request_id]
             finished.sending, self._released = self._released, set()
-        while True:
-            try:
-                request_id, error = self._loaded.get_nowait()
-            except queue.Empty:
-                return finished
+        for request_id, error in drain(self._loaded):
             if error is None:
                 finished.recving.add(request_id)
             else:
                 finished.failed[request_id] = error
+        return finished
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -94,7 +94,6 @@ class MooncakeBlockStore(BlockStore):
         """Staged: the staging buffer registered. Direct: each KV tensor's memory, once per storage (as vllm-ascend
         registers its regions)."""
         super().register(tensors)
-        self.block_bytes = [t[0].numel() * t.element_size() for t in tensors]  # each tensor's bytes a block
         if self.staged:
             self.staging = torch.empty(max(1, STAGING_BYTES // sum(self.block_bytes)), sum(self.block_bytes),
                                        dtype=torch.uint8)

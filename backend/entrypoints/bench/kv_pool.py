@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from backend.config import EngineConfig
+from backend.config.addresses import free_port
 from backend.config.kv_transfer import MOONCAKE_CONFIG_ENV
 from backend.engine.engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
@@ -152,18 +152,12 @@ def run_kv_pool_bench(args) -> dict:
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _with_master(run):
     """run() with a mooncake_master of its own on free loopback ports, its engines lending 512 MiB each."""
     from backend.entrypoints.kv_pool_master import start_master
     from backend.entrypoints.serve import stop_process_group
 
-    rpc, admin = _free_port(), _free_port()
+    rpc, admin = free_port(), free_port()
     master = start_master(rpc, admin)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "mooncake.json"
