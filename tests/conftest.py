@@ -103,8 +103,8 @@ TINY_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=24, v_hea
 
 def _tiny_config(arch: str):
     from transformers import (
-        DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-        Qwen3Config, Qwen3MoeConfig,
+        DeepseekV2Config, DeepseekV3Config, Glm4Config, Glm4MoeConfig, GlmConfig, LlamaConfig, MistralConfig,
+        MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
     )
 
     if arch == "llama":  # llama3 rope scaling and untied embeddings
@@ -137,6 +137,10 @@ def _tiny_config(arch: str):
                              n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                              first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
                              tie_word_embeddings=False)
+    if arch in ("glm", "glm4"):  # q/k/v biases, half of each head rotating in interleaved pairs (GLM-4-0414: and
+        # the attention's and MLP's outputs normalised again); heads of 32 (16 rotating), gate and up stored as one
+        config_class = GlmConfig if arch == "glm" else Glm4Config
+        return config_class(**TINY, head_dim=32, attention_bias=True, pad_token_id=0, tie_word_embeddings=False)
     if arch == "deepseek_v2":  # V2-Lite's shape: no q low rank, greedy softmax routing, two shared experts
         return DeepseekV2Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, **TINY_MOE,
                                 **TINY_MLA, q_lora_rank=None, n_routed_experts=8, n_shared_experts=2,

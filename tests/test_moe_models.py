@@ -1,5 +1,5 @@
-"""The architectures after Llama: Qwen3 (per-head q/k norm) and the mixtures of experts Qwen3-MoE, Mixtral and
-GLM-4.5 load from transformers' own checkpoints and equal transformers in fp32; both layouts of expert weights
+"""The architectures after Llama: Qwen3 (per-head q/k norm), GLM-4 (interleaved partial rotary) and GLM-4-0414
+(post-norms), and the mixtures of experts Qwen3-MoE, Mixtral and GLM-4.5 load from transformers' own checkpoints and equal transformers in fp32; both layouts of expert weights
 load; a bad checkpoint fails the load naming what is wrong; the engine's chunked prefill, prefix caching,
 preemption and structured outputs serve a MoE model as they serve a dense one; and the fused-experts op equals
 its per-expert reference."""
@@ -19,7 +19,7 @@ from npu_llm_kernels import cpu, ops_for, torch_ref
 from tests.conftest import hf_model, make_tiny_model, rewrite_checkpoint
 from tests.test_model_parity import _check_against_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "glm4_moe"]
+NEW_FAMILIES = ["qwen3", "glm", "glm4", "qwen3_moe", "mixtral", "glm4_moe"]
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "glm4_moe"]
 
 

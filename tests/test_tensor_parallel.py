@@ -44,7 +44,7 @@ def _generate(model_dir, tokenizer_dir, tensor_parallel_size: int, **engine_args
     return outputs, stats
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "glm4"])  # (GLM-4: a fused gate_up tensor and q/k rows reordered)
 def test_two_ranks_over_gloo_equal_one(arch, tmp_path, default_model_dir):
     model_dir = make_tiny_model(arch, tmp_path / arch)
     alone, _ = _generate(model_dir, default_model_dir, 1)

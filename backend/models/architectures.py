@@ -3,14 +3,16 @@
 All of them are one decoder (backend/models/llama.py): attention with rotary positions, RMSNorm, and a gated
 SiLU MLP, which some layers replace by a mixture of experts (backend/models/moe.py). The differences are
 flags: which projections carry a bias, whether q and k are RMS-normalised per head (Qwen3, optionally
-GLM-4.5), how many of a head's dimensions rotate (GLM-4.5: half), whether attention is DeepSeek's multi-head
-latent attention (backend/models/mla.py), and how the experts are routed.
+GLM-4.5), how many of a head's dimensions rotate (GLM-4 and GLM-4.5: half) and whether they rotate in interleaved
+pairs (GLM-4), whether the attention and MLP outputs are normalised again (GLM-4-0414), whether attention is
+DeepSeek's multi-head latent attention (backend/models/mla.py), and how the experts are routed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "GlmForCausalLM",
+         "Glm4ForCausalLM")
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 LATENT_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # (and their experts)
 SUPPORTED_ARCHITECTURES = DENSE + MOE + LATENT_ATTENTION
@@ -36,6 +38,18 @@ def rotary_dim_of(config) -> int:
     return int(head_dim_of(config) * factor)
 
 
+def rotates_interleaved(config) -> bool:
+    """Whether rotary pairs are adjacent dimensions (2i, 2i + 1: GLM-4's, GPT-J's style) rather than a half apart
+    (i, i + d/2: Llama's, which the kernels compute). The loader turns the first into the second by reordering the
+    rows of q_proj and k_proj (neox_rows in backend/models/llama.py): q . k is the same under one reordering of both."""
+    return config.model_type in ("glm", "glm4")
+
+
+def has_post_norms(config) -> bool:
+    """GLM-4-0414: the attention's and the MLP's outputs are RMS-normalised again before joining the residual."""
+    return config.model_type == "glm4"
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     qkv_bias: bool
@@ -49,6 +63,8 @@ def attention_spec(config) -> AttentionSpec:
         return AttentionSpec(qkv_bias=True, o_bias=False, qk_norm=False)
     if config.model_type == "glm4_moe":  # attention_bias covers q/k/v only
         return AttentionSpec(qkv_bias=bias, o_bias=False, qk_norm=bool(config.use_qk_norm))
+    if config.model_type in ("glm", "glm4"):  # likewise
+        return AttentionSpec(qkv_bias=bias, o_bias=False, qk_norm=False)
     return AttentionSpec(qkv_bias=bias, o_bias=bias, qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
 
 

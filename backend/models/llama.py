@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from backend.distributed import SINGLE, TensorParallel
 from backend.models.architectures import (
-    attention_spec, head_dim_of, is_mla, is_moe_layer, moe_spec, rope_parameters_of, rotary_dim_of,
+    attention_spec, has_post_norms, head_dim_of, is_mla, is_moe_layer, moe_spec, rope_parameters_of, rotary_dim_of,
+    rotates_interleaved,
 )
 from backend.models.layers import MLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from backend.models.mla import MLAttention
@@ -114,7 +115,7 @@ class Attention(nn.Module):
     def _rotate(self, positions, q, k, cos_sin_cache):
         if self.rotary_dim == self.head_dim:
             return self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        # Partial rotary (GLM-4.5): the leading rotary_dim dimensions of each head rotate, the rest pass through.
+        # Partial rotary (GLM-4, GLM-4.5): the leading rotary_dim dimensions of each head rotate, the rest pass through.
         d = self.rotary_dim
         q_rot, k_rot = self.ops.rotary_embedding(positions, q[..., :d].contiguous(), k[..., :d].contiguous(),
                                                  cos_sin_cache)
@@ -131,6 +132,11 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(config, moe_spec(config), ops, tp, expert_parallel)
         else:
             self.mlp = MLP(config, ops, tp)
+        if has_post_norms(config):
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        else:
+            self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, metadata):
         if residual is None:
@@ -138,8 +144,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, cos_sin_cache, kv_cache, metadata)
+        if self.post_self_attn_layernorm is not None:
+            x = self.post_self_attn_layernorm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            x = self.post_mlp_layernorm(x)
+        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -168,6 +179,15 @@ class LlamaModel(nn.Module):
         return x
 
 
+def neox_rows(tensor: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A q or k projection's rows (weight, bias or per-row scales) reordered, within each head, from interleaved
+    rotary pairs (2i, 2i + 1) to pairs a half apart (i, rotary_dim/2 + i); the dimensions that do not rotate stay."""
+    heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
+    rotating = heads[:, :rotary_dim]
+    reordered = torch.cat((rotating[:, 0::2], rotating[:, 1::2], heads[:, rotary_dim:]), dim=1)
+    return reordered.reshape(tensor.shape)
+
+
 # checkpoint tensor name part -> (our fused parameter name part, which shard)
 STACKED_MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 STACKED_QKV = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
@@ -193,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = attn.cache_dim if self.latent_kv else head_dim_of(config)
         self.kv_lora_rank = attn.kv_lora_rank if self.latent_kv else None  # where a latent row's rope part starts
         self.stacked_params = STACKED_MLP if self.latent_kv else {**STACKED_QKV, **STACKED_MLP}
+        self.interleaved_rotary = rotates_interleaved(config)
         self.cos_sin_cache = None  # built by init_rope once the model sits on its device and dtype
 
     @property
@@ -246,6 +267,14 @@ class LlamaForCausalLM(nn.Module):
         if key.endswith("embed_tokens.weight") or (key.endswith("lm_head.weight") and ".layers." not in key):
             return 0, self.model.embed_tokens.start, self.model.embed_tokens.num_embeddings
         return None  # norms, and the row-parallel biases (added once, by rank 0)
+
+    def as_our_rows(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor (this rank's slice) in the row order our layers compute in: q and k rows reordered
+        for interleaved rotary (architectures.rotates_interleaved)."""
+        if self.interleaved_rotary and (".q_proj." in key or ".k_proj." in key) and tensor.dim() and len(tensor) > 1:
+            attn = self.model.layers[0].self_attn
+            return neox_rows(tensor, attn.head_dim, attn.rotary_dim)
+        return tensor
 
     def init_rope(self, max_positions: int) -> None:
         weight = self.model.embed_tokens.weight

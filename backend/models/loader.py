@@ -219,9 +219,14 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpo
                         continue
                     if key.endswith(PACKED_SHAPE):  # (weight_packed's own shape, checked as it loads, says it)
                         continue
+                    if ".gate_up_proj." in key and module.tp.size > 1:  # (GLM-4 stores gate and up as one)
+                        for half, tensor in zip((".gate_proj.", ".up_proj."), f.get_tensor(stored).chunk(2)):
+                            part = key.replace(".gate_up_proj.", half)
+                            _load_tensor(module, params, unfilled, part, _shard_of(tensor, module, part), path)
+                        continue
                     shard = None if key.endswith(PER_TENSOR) else module.checkpoint_shard(key)
                     tensor = _read(f, stored, shard, module.tp.size, path)
-                    _load_tensor(module, params, unfilled, key, tensor, path)
+                    _load_tensor(module, params, unfilled, key, module.as_our_rows(key, tensor), path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
     if head is not None:
@@ -297,6 +302,12 @@ def _read(f, key: str, shard: tuple[int, int, int] | None, ranks: int, path: Pat
         raise ModelLoadError(f"{path}: tensor {key!r} holds {columns} columns for {features} input features, which "
                              f"do not split into {ranks} ranks' shares of {length}")
     return part[:, start // per_column:(start + length) // per_column]
+
+
+def _shard_of(tensor: torch.Tensor, module: LlamaForCausalLM, key: str) -> torch.Tensor:
+    """This rank's slice of a checkpoint tensor already read whole."""
+    shard = module.checkpoint_shard(key)
+    return tensor if shard is None else tensor.narrow(*shard)
 
 
 def _load_tensor(module, params, unfilled, key: str, tensor: torch.Tensor, path: Path) -> None:
