@@ -185,6 +185,66 @@ def make_tiny_model(arch: str, path, vocab_size: int = TINY["vocab_size"], decis
     return path
 
 
+# Qwen2.5-VL's chat template (its chat_template.json), which writes a placeholder for each image part
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_qwen2_5_vl(path, tokenizer_dir) -> Path:
+    """A Qwen2.5-VL folder with random weights, the way its checkpoints are published: config.json (text_config,
+    vision_config), safetensors, preprocessor_config.json (its image processor, at a few hundred pixels an image so
+    that images are a few dozen tokens) and a tokenizer with its special tokens and chat template (the default model's
+    vocabulary). The tower: two blocks, windows of 2x2 merged patches, the second block over the whole image."""
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                                "<|video_pad|>"]})
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                                                          "<|image_pad|>", "<|video_pad|>")}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|im_end|>"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}, patch_size=14,
+                             temporal_patch_size=2, merge_size=2).save_pretrained(path)
+    return path
+
+
+def random_image(width: int, height: int, seed: int):
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2", "mistral"])
 def tiny_model_dir(request, tmp_path_factory):
     return make_tiny_model(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))

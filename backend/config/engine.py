@@ -66,6 +66,9 @@ class EngineConfig:
     kv_offloading_backend: str | None = None
     # vLLM's: serve LoRA adapters (docs/lora.md); max_loras of them in one step, each of rank <= max_lora_rank,
     # max_cpu_loras kept loaded in host memory (None: max_loras), least recently used beyond that
+    # vLLM's: at most this many images in one prompt of a vision-language model, {"image": N} (or {"image":
+    # {"count": N}}); a modality left out: 999, vLLM's default (docs/vision.md)
+    limit_mm_per_prompt: dict | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -130,6 +133,25 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             self._check_kv_transfer(fail)
         self._check_lora(fail)
+        if self.limit_mm_per_prompt is not None:
+            self._check_mm_limits(fail)
+
+    def _check_mm_limits(self, fail) -> None:
+        """Stored back as {"image": N}."""
+        if not isinstance(self.limit_mm_per_prompt, dict):
+            fail("limit_mm_per_prompt", 'must be a dict such as {"image": 2}')
+        if set(self.limit_mm_per_prompt) - {"image"}:
+            fail("limit_mm_per_prompt", "images are the one modality served (no video or audio)")
+        limit = self.limit_mm_per_prompt.get("image", 999)
+        count = limit.get("count") if isinstance(limit, dict) else limit
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            fail("limit_mm_per_prompt", "the image limit must be a whole number, at least 0")
+        self.limit_mm_per_prompt = {"image": count}
+
+    @property
+    def image_limit(self) -> int:
+        """Images one prompt may carry."""
+        return (self.limit_mm_per_prompt or {}).get("image", 999)
 
     def _check_lora(self, fail) -> None:
         if self.max_lora_rank not in LORA_RANKS:

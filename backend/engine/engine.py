@@ -22,6 +22,7 @@ from backend.config import EngineConfig
 from backend.distributed import SINGLE
 from backend.engine import startup
 from backend.engine.executor import start_workers
+from backend.engine.image_inputs import ImageProcessor
 from backend.engine.input_processor import InputProcessor, PromptType
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.kv_transfer.connector import KVConnector, create_connector
@@ -100,8 +101,10 @@ class LLMEngine:
         # speculative decoding: a proposer drafts after each step, the next verifies (backend/engine/spec_decode/)
         self.drafter = None if spec is None else make_drafter(spec, self.runner, self.draft_runner, self.kv)
         self.step_runner = StepRunner(self.runner, self.kv, drafting=self.drafter is not None)
+        images = ImageProcessor(self.model_dir, self.model_config.vision_language, config.image_limit) \
+            if self.model.is_multimodal else None
         self.inputs = InputProcessor(config, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                     started.num_blocks, self.runner.add_lora if config.enable_lora else None)
+                                     started.num_blocks, self.runner.add_lora if config.enable_lora else None, images)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._aborted: list[RequestOutput] = []

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from backend.config import EngineConfig
 from backend.config.control_key import control_key
+from backend.engine.image_inputs import ImageProcessor, MultiModalInputs
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.lora_request import LoRARequest
 from backend.engine.request import Request
@@ -21,8 +22,9 @@ PromptType = str | list[int] | dict
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: set[int], num_kv_blocks: int,
-                 add_lora: Callable[[LoRARequest], None] | None = None):
+                 add_lora: Callable[[LoRARequest], None] | None = None, images: ImageProcessor | None = None):
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
+        self.images = images  # a vision-language model's image processor (backend/engine/image_inputs.py)
         self.add_lora = add_lora  # with enable_lora: reads and checks an adapter (the runner's add_lora)
         self.eos_token_ids, self.num_kv_blocks = eos_token_ids, num_kv_blocks
         self.kv_transfer = config.kv_transfer  # (parsed once: read by each request that carries kv_transfer_params)
@@ -33,10 +35,26 @@ class InputProcessor:
                 lora_request: LoRARequest | None = None) -> tuple[str | None, list[Request]]:
         """(the prompt's text where it has one, a Request per sample: `child_ids`)."""
         text, ids = self._prompt_ids(prompt)
+        ids, mm = self._images(prompt, ids)
         max_tokens = self._check(ids, params)
         self.check_lora(lora_request)
-        return text, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids, lora_request)
+        return text, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids, lora_request, mm)
                       for i, cid in enumerate(child_ids)]
+
+    def _images(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], MultiModalInputs | None]:
+        """The prompt's images (vLLM's {"multi_modal_data": {"image": ...}}, one PIL image or a list), processed, and
+        its ids with their placeholders expanded; a vision-language model's text-only prompt gets its M-RoPE
+        positions too, and anything else passes as it is."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is not None and self.images is None:
+            raise ValueError("multi_modal_data: this model takes text only")
+        if self.images is None:
+            return ids, None
+        data = data or {}
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError('multi_modal_data must be {"image": <a PIL image or a list of them>}')
+        images = data.get("image", [])
+        return self.images.process(ids, images if isinstance(images, (list, tuple)) else [images])
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """An adapter the engine can serve: read now (kept loaded), so that a bad one fails here, not in a step."""

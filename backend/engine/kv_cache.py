@@ -32,20 +32,24 @@ def chain_root(request: Request) -> bytes:
     return b"" if lora is None else hashlib.sha256("\0".join(lora.cache_key).encode()).digest()
 
 
-def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """A block's hash: its parent's, then its token ids (as 64-bit integers, so that no two lists share bytes)."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+def chain_hash(parent: bytes, token_ids: list[int], images: bytes = b"") -> bytes:
+    """A block's hash: its parent's, then its token ids (as 64-bit integers, so that no two lists share bytes), then
+    the hashes of the images its tokens show (32 bytes each)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes() + images).digest()
 
 
 def block_hash_chain(request: Request, num_blocks: int, block_size: int) -> list[bytes]:
     """Hash chain of the request's first num_blocks full blocks, extended incrementally on the request. The chain
     starts from the request's adapter (vLLM puts the LoRA's name and path in the block hash): the same tokens under two
-    adapters, or under one and the base model, have different KV and never share a block."""
-    hashes = request.block_hashes
+    adapters, or under one and the base model, have different KV and never share a block. A block covering an image's
+    placeholder tokens adds the image's hash (as vLLM's extra keys do), so the same text with another image differs
+    from there on."""
+    hashes, mm = request.block_hashes, request.mm_inputs
     while len(hashes) < num_blocks:
         i = len(hashes)
         parent = hashes[-1] if hashes else chain_root(request)
-        hashes.append(chain_hash(parent, request.token_ids[i * block_size : (i + 1) * block_size]))
+        start, stop = i * block_size, (i + 1) * block_size
+        hashes.append(chain_hash(parent, request.token_ids[start:stop], mm.hashes_in(start, stop) if mm else b""))
     return hashes[:num_blocks]
 
 

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from backend.engine.image_inputs import MultiModalInputs
 from backend.engine.lora_request import LoRARequest
 from backend.engine.sampling_params import SamplingParams
 
@@ -25,7 +26,7 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int, eos_ids,
-                 lora_request: LoRARequest | None = None):
+                 lora_request: LoRARequest | None = None, mm_inputs: MultiModalInputs | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -59,6 +60,7 @@ class Request:
         self.kv_transfer_params = params.kv_transfer_params
         self.kv_transfer_params_out: dict | None = None
         self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+        self.mm_inputs = mm_inputs  # a vision-language model's prompt: its images and M-RoPE positions
 
     @property
     def lora_name(self) -> str | None:

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 
 from backend.engine.decode_graphs import DecodeGraphs
+from backend.engine.encoder_cache import EncoderCache
+from backend.engine.image_inputs import MultiModalInputs, text_positions
 from backend.engine.lora_manager import LoRAManager
 from backend.engine.lora_request import LoRARequest
 from backend.engine.outputs import Logprob
@@ -47,6 +49,7 @@ class SequenceChunk:
     prompt_scoring: PromptScoring | None = None  # the prompt logprobs it computes, if asked for
     num_drafts: int = 0  # draft tokens ending token_ids, to verify: the logits after each are wanted too
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    mm: MultiModalInputs | None = None  # its prompt's images and M-RoPE positions (vision-language models)
 
 
 @dataclass
@@ -81,6 +84,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.decode_graphs: DecodeGraphs | None = None
+        # a vision-language model's image embeddings, by image (backend/engine/encoder_cache.py)
+        self.encoder_cache = EncoderCache() if model.is_multimodal else None
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -108,7 +113,10 @@ class ModelRunner:
         self.num_blocks = 0
 
     def capture_decode_graphs(self, platform: Platform, max_num_seqs: int, max_len: int) -> None:
-        """From now on, decode-only steps replay captured device graphs (see decode_graphs)."""
+        """From now on, decode-only steps replay captured device graphs (see decode_graphs); not for M-RoPE's
+        positions (vision-language models), which the graphs do not take."""
+        if self.model.is_multimodal:
+            return
         self.decode_graphs = self.build_decode_graphs(platform, max_num_seqs, max_len)
 
     def build_decode_graphs(self, platform: Platform, max_num_seqs: int, max_len: int) -> DecodeGraphs:
@@ -178,6 +186,9 @@ class ModelRunner:
         else:
             with scope("prepare"):
                 inputs = self._prepare(ordered, query_lens, context_lens)
+            if self.encoder_cache is not None:
+                with scope("encode"):
+                    inputs = (*inputs, self._image_embeds(ordered, query_lens))
             with scope("forward"):
                 hidden = self.model(*inputs)
         starts = {i: last[rank] + 1 - query_lens[rank] for rank, i in enumerate(order)}
@@ -239,13 +250,38 @@ class ModelRunner:
                 entries += ranked_logprobs(logits, targets, [scoring.top] * len(targets))
         return entries
 
+    def _image_embeds(self, ordered: list[SequenceChunk], query_lens: list[int]):
+        """(rows of the step, their embeddings) for the image tokens the chunks run, or None: each image's embeddings
+        from the encoder cache, or its encoder run now (a chunk may hold part of an image)."""
+        rows, embeddings, first_row = [], [], 0
+        for chunk, n in zip(ordered, query_lens):
+            start, stop = chunk.num_computed, chunk.num_computed + n
+            for image in chunk.mm.images if chunk.mm is not None else ():
+                if not image.overlaps(start, stop):
+                    continue
+                encoded = self.encoder_cache.get(image.hash, lambda: self.model.encode_image(image.pixel_values,
+                                                                                             image.grid_thw))
+                first, last = max(start, image.offset), min(stop, image.offset + image.length)
+                rows.append(torch.arange(first - start, last - start) + first_row)
+                embeddings.append(encoded[first - image.offset : last - image.offset])
+            first_row += n
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(embeddings)
+
     def _prepare(self, ordered: list[SequenceChunk], query_lens: list[int], context_lens: list[int]):
-        """The model's arguments for one step: input ids, positions, KV caches, attention metadata."""
+        """The model's arguments for one step: input ids, positions (M-RoPE's three streams [3, tokens] for a
+        vision-language model), KV caches, attention metadata."""
         metadata = AttentionMetadata.build(
             query_lens, context_lens, [c.block_ids for c in ordered], self.block_size, self.device
         )
         input_ids = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
-        positions = np.concatenate([np.arange(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered])
+        spans = [(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered]
+        if self.model.is_multimodal:
+            positions = np.concatenate([c.mm.positions_of(*span) if c.mm is not None else text_positions(*span)
+                                        for c, span in zip(ordered, spans)], axis=1)
+        else:
+            positions = np.concatenate([np.arange(*span) for span in spans])
         return (
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(positions).to(self.device),

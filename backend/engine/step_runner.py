@@ -88,7 +88,7 @@ class StepRunner:
         request, start = s.request, s.request.num_computed_tokens
         return SequenceChunk(request.token_ids[start : start + s.num_new_tokens - s.num_drafts] + list(s.drafts),
                              start, self.kv.block_ids(request), s.wants_logits, self._prompt_scoring(s), s.num_drafts,
-                             request.lora_request)
+                             request.lora_request, request.mm_inputs)
 
     @staticmethod
     def _prompt_scoring(s: ScheduledRequest) -> PromptScoring | None:

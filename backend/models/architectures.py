@@ -15,7 +15,20 @@ DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3For
          "Glm4ForCausalLM")
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 LATENT_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # (and their experts)
-SUPPORTED_ARCHITECTURES = DENSE + MOE + LATENT_ATTENTION
+VISION_LANGUAGE = ("Qwen2_5_VLForConditionalGeneration",)  # (backend/models/qwen_vl.py)
+SUPPORTED_ARCHITECTURES = DENSE + MOE + LATENT_ATTENTION + VISION_LANGUAGE
+
+
+def language_config_of(config):
+    """The config the decoder is built from: a vision-language model's text_config, which keeps the whole config as
+    `vision_language` (its vision_config and image token), its architectures and its tied embeddings; any other
+    model's own."""
+    if getattr(config, "architectures", None) and config.architectures[0] in VISION_LANGUAGE:
+        text = config.text_config
+        text.vision_language, text.architectures = config, config.architectures
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        return text
+    return config
 
 
 def is_mla(config) -> bool:
@@ -59,7 +72,7 @@ class AttentionSpec:
 
 def attention_spec(config) -> AttentionSpec:
     bias = bool(getattr(config, "attention_bias", False))
-    if config.model_type == "qwen2":  # q/k/v biases always, no o bias
+    if config.model_type in ("qwen2", "qwen2_5_vl_text"):  # q/k/v biases always, no o bias
         return AttentionSpec(qkv_bias=True, o_bias=False, qk_norm=False)
     if config.model_type == "glm4_moe":  # attention_bias covers q/k/v only
         return AttentionSpec(qkv_bias=bias, o_bias=False, qk_norm=bool(config.use_qk_norm))

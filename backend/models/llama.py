@@ -29,7 +29,7 @@ from backend.models.architectures import (
 from backend.models.layers import MLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from backend.models.mla import MLAttention
 from backend.models.moe import FusedMoE, SparseMoeBlock
-from npu_llm_kernels import AttentionMetadata
+from npu_llm_kernels import AttentionMetadata, torch_ref
 from npu_llm_kernels.timing import scope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -113,13 +113,20 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def _rotate(self, positions, q, k, cos_sin_cache):
+        """positions None: cos_sin_cache holds each token's own row (M-RoPE: backend/models/qwen_vl.py), applied in
+        torch (the platforms' rotary kernels look rows up by position)."""
+        rotary = self.ops.rotary_embedding if positions is not None else _rotate_by_rows
         if self.rotary_dim == self.head_dim:
-            return self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+            return rotary(positions, q, k, cos_sin_cache)
         # Partial rotary (GLM-4, GLM-4.5): the leading rotary_dim dimensions of each head rotate, the rest pass through.
         d = self.rotary_dim
-        q_rot, k_rot = self.ops.rotary_embedding(positions, q[..., :d].contiguous(), k[..., :d].contiguous(),
-                                                 cos_sin_cache)
+        q_rot, k_rot = rotary(positions, q[..., :d].contiguous(), k[..., :d].contiguous(), cos_sin_cache)
         return torch.cat((q_rot, q[..., d:]), dim=-1), torch.cat((k_rot, k[..., d:]), dim=-1)
+
+
+def _rotate_by_rows(_positions, q, k, rows: torch.Tensor):
+    """Neox rotary of q and k [tokens, heads, dim] by one cos | sin row per token."""
+    return torch_ref.rotary_embedding(torch.arange(len(rows), device=rows.device), q, k, rows)
 
 
 class DecoderLayer(nn.Module):
@@ -165,8 +172,8 @@ class LlamaModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
-    def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata):
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata, inputs_embeds=None):
+        x, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
         aux = []
         # (a draft head after them, with its own cache, runs apart: backend/models/mtp.py, eagle.py)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches[:self.num_hidden_layers])):
@@ -194,6 +201,7 @@ STACKED_QKV = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": (
 
 
 class LlamaForCausalLM(nn.Module):
+    is_multimodal = False  # (a vision-language model takes images: backend/models/qwen_vl.py)
 
     def __init__(self, config, ops: ModuleType, tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()

@@ -11,11 +11,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from backend.distributed import SINGLE, TensorParallel
-from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of
+from backend.models.architectures import SUPPORTED_ARCHITECTURES, extra_layers_of, language_config_of
 from backend.models.llama import LlamaForCausalLM
 from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.eagle import Eagle3Head, EagleHead, HeadCheckpoint
 from backend.models.mtp import MultiTokenPredictor, attach_mtp
+from backend.models.qwen_vl import Qwen2_5_VLForConditionalGeneration
 from backend.models.quantization import (
     PACKED_SHAPE, SYMMETRIC_ZERO_POINTS, CompressedTensors, ModelSlim, UnsupportedQuantization, as_loaded,
     check_scales, fold_modelslim, folded_into_quant_bias, quantization_of, quantize_layers, unpack_weights,
@@ -48,7 +49,12 @@ def load_config(model_dir: Path):
             f"{model_dir / 'config.json'}: unsupported architecture {architectures or config.model_type!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return config
+    return language_config_of(config)
+
+
+def model_class(config) -> type[LlamaForCausalLM]:
+    """Our module for the config's architecture: one decoder for all, a vision tower beside it for Qwen2.5-VL."""
+    return Qwen2_5_VLForConditionalGeneration if getattr(config, "vision_language", None) else LlamaForCausalLM
 
 
 def stored_dtype_of(config) -> torch.dtype | None:
@@ -123,7 +129,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):
-            module = LlamaForCausalLM(config, ops, tp, expert_parallel)
+            module = model_class(config)(config, ops, tp, expert_parallel)
             if mtp:
                 attach_mtp(module)
     except ValueError as e:
@@ -206,11 +212,15 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpo
     experts = {name: m for name, m in module.named_modules() if isinstance(m, FusedMoE)}
     params = {name: p for name, p in module.named_parameters() if name.rsplit(".", 1)[0] not in experts}
     unfilled = {name: p.shape[0] for name, p in params.items()}  # rows still to be loaded per parameter
+    vision: dict[str, torch.Tensor] = {}  # a vision-language model's vision tower, loaded whole on every rank
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for stored in f.keys():
-                    key = stored.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+                    key = _our_key(stored)
+                    if key.startswith("visual.") and module.is_multimodal:
+                        vision[key.removeprefix("visual.")] = f.get_tensor(stored)
+                        continue
                     if _beyond_the_model(module, key):
                         continue
                     expert = EXPERT_TENSOR.match(key)
@@ -231,11 +241,38 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpo
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
     if head is not None:
         _load_head(module, params, unfilled, head)
-    missing = [name for name, rows in unfilled.items() if rows]
+    if module.is_multimodal:
+        _load_vision(module.visual, vision, files[0].parent)
+    missing = [name for name, rows in unfilled.items() if rows and not name.startswith("visual.")]
     missing += [f"{name} ({part})" for name, m in experts.items() for part in m.missing()]
     if missing:
         raise ModelLoadError(f"{files[0].parent}: checkpoint lacks tensors for {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _our_key(stored: str) -> str:
+    """A checkpoint tensor's name in our modules: Mixtral's MoE block is our mlp; a vision-language checkpoint saved by
+    transformers 4.52 and later nests the decoder (model.language_model.) and the tower (model.visual.)."""
+    key = stored.replace(".block_sparse_moe.", ".mlp.")
+    if key.startswith("model.language_model."):
+        return "model." + key.removeprefix("model.language_model.")
+    return key.removeprefix("model.") if key.startswith("model.visual.") else key
+
+
+def _load_vision(visual: torch.nn.Module, tensors: dict[str, torch.Tensor], model_dir: Path) -> None:
+    """The vision tower's tensors, each exactly once and of its parameter's shape."""
+    expected = dict(visual.named_parameters())
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(f"{model_dir}: the vision tower's checkpoint tensors do not match it"
+                             + (f"; missing visual.{', visual.'.join(missing[:5])}" if missing else "")
+                             + (f"; unexpected visual.{', visual.'.join(unexpected[:5])}" if unexpected else ""))
+    for name, tensor in tensors.items():
+        param = expected[name]
+        if param.shape != tensor.shape:
+            raise ModelLoadError(f"{model_dir}: tensor 'visual.{name}' has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(param.shape)}")
+        param.data.copy_(tensor)
 
 
 def _load_head(module: LlamaForCausalLM, params, unfilled, head: HeadCheckpoint) -> None:

@@ -1,0 +1,114 @@
+"""Qwen2.5-VL: a tiny random checkpoint in its published layout, served with images (vLLM's multi_modal_data), equals
+transformers' greedy tokens and logprobs in fp32 with one and two images of different sizes, with chunked prefill
+splitting an image's tokens, a prefix-cache hit with the same image and none with another, and preemption; the
+vision tower runs once per image (the encoder cache); bad images and mismatched placeholders fail at admission."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from tests.conftest import make_tiny_qwen2_5_vl, random_image
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory, default_model_dir):
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
+
+
+def _prompt(tokenizer, num_images: int, text: str) -> str:
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def _transformers_greedy(model_dir, prompt_ids: list[int], images: list, steps: int):
+    """transformers' greedy tokens and each one's logprob, without a KV cache (every step sees the whole sequence)."""
+    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt") if images else {}
+    ids, logprobs = torch.tensor([prompt_ids]), []
+    with torch.no_grad():
+        for _ in range(steps):
+            kinds = (ids == model.config.image_token_id).long()
+            logits = model(input_ids=ids, mm_token_type_ids=kinds, **pixels).logits[0, -1].log_softmax(-1)
+            ids = torch.cat((ids, logits.argmax().reshape(1, 1)), dim=1)
+            logprobs.append(float(logits.max()))
+    return ids[0, len(prompt_ids):].tolist(), logprobs
+
+
+def _greedy(llm, prompts: list[dict]):
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1))
+    return outputs
+
+
+def test_greedy_tokens_equal_transformers_with_chunks_hits_and_preemption(vl_dir):
+    """One image, two images of different sizes, the first again (a prefix hit), the first's text with another
+    image (no hit past the image's first block), and a text-only prompt: all equal transformers, in a step budget
+    smaller than an image's tokens (chunked prefill splits them) and a cache too small for all at once (preemption)."""
+    first, second, other = random_image(84, 56, 1), random_image(40, 30, 2), random_image(84, 56, 3)
+    with LLM(model=str(vl_dir), dtype="float32", block_size=16, max_num_batched_tokens=20, num_kv_blocks=8,
+             max_num_seqs=4) as llm:
+        tokenizer = llm.get_tokenizer()
+        cases = [([first], _prompt(tokenizer, 1, "What is this?")),
+                 ([first, second], _prompt(tokenizer, 2, "Compare the two.")),
+                 ([first], _prompt(tokenizer, 1, "What is this?")),
+                 ([other], _prompt(tokenizer, 1, "What is this?")),
+                 ([], _prompt(tokenizer, 0, "No picture here."))]
+        outputs = _greedy(llm, [{"prompt": p, "multi_modal_data": {"image": images}} for images, p in cases])
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0
+        assert llm.engine.kv.num_free_blocks == 8  # every block back in the pool
+        # the first image's 6 tokens span a chunk boundary of a 20-token budget: its tower ran once all the same
+        assert llm.engine.runner.encoder_cache.encoder_runs == 3  # first, second, other
+    for (images, _), output in zip(cases, outputs):
+        expected, logprobs = _transformers_greedy(vl_dir, output.prompt_token_ids, images, STEPS)
+        completion = output.outputs[0]
+        assert completion.token_ids == expected
+        ours = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(vl_dir):
+    """A prompt whose image comes early and whose text is long: sent again with the same image, its blocks come from
+    the prefix cache; with another image of the same size (the same token ids), none past the image do."""
+    image, other = random_image(84, 56, 1), random_image(84, 56, 4)
+    with LLM(model=str(vl_dir), dtype="float32", block_size=16) as llm:
+        prompt = _prompt(llm.get_tokenizer(), 1, "Describe it in words. " * 12)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        [base] = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params)
+        [again] = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params)
+        [swapped] = llm.generate({"prompt": prompt, "multi_modal_data": {"image": other}}, params)
+        assert swapped.prompt_token_ids == base.prompt_token_ids  # the same placeholder tokens
+        image_start = base.prompt_token_ids.index(llm.engine.model_config.vision_language.image_token_id)
+        assert again.metrics.num_cached_tokens >= len(base.prompt_token_ids) - 16
+        assert swapped.metrics.num_cached_tokens <= image_start // 16 * 16  # nothing from the image's first block on
+        assert llm.engine.runner.encoder_cache.encoder_runs == 2  # (the image again: from the encoder cache)
+
+
+def test_bad_images_and_placeholders_fail_at_admission(vl_dir):
+    """Each refusal names what is wrong, and the engine serves the next request."""
+    image = random_image(28, 28, 5)
+    with LLM(model=str(vl_dir), dtype="float32", block_size=16, limit_mm_per_prompt={"image": 1}) as llm:
+        tokenizer = llm.get_tokenizer()
+        one, two = _prompt(tokenizer, 1, "Hi"), _prompt(tokenizer, 2, "Hi")
+        params = SamplingParams(max_tokens=2)
+        refusals = {
+            "2 image placeholder": {"prompt": two, "multi_modal_data": {"image": [image]}},
+            "At most 1 image": {"prompt": two, "multi_modal_data": {"image": [image, image]}},
+            "expected a PIL image": {"prompt": one, "multi_modal_data": {"image": b"not an image"}},
+            "multi_modal_data must be": {"prompt": one, "multi_modal_data": {"video": [image]}},
+        }
+        for message, prompt in refusals.items():
+            with pytest.raises(ValueError, match=message):
+                llm.generate(prompt, params)
+        assert llm.generate({"prompt": one, "multi_modal_data": {"image": image}}, params)[0].outputs[0].token_ids
+
+
+def test_a_text_only_model_refuses_images(default_model_dir):
+    with LLM(model=str(default_model_dir), dtype="float32") as llm:
+        with pytest.raises(ValueError, match="takes text only"):
+            llm.generate({"prompt": "Hi", "multi_modal_data": {"image": random_image(28, 28, 6)}})
