@@ -49,10 +49,3 @@ def data_url_bytes(url: str, where: str) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{where}: the data URL's payload is not valid base64") from None
-
-
-def encode_png_base64(image) -> str:
-    """A PIL image as base64 PNG text: how the gateway hands an image to Triton's `image` input, losslessly."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()

@@ -36,6 +36,8 @@ class InputProcessor:
         """(the prompt's text where it has one, a Request per sample: `child_ids`)."""
         text, ids = self._prompt_ids(prompt)
         ids, mm = self._images(prompt, ids)
+        if mm is not None and mm.images and params.kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params: prompts with images are not served with disaggregated prefill")
         max_tokens = self._check(ids, params)
         self.check_lora(lora_request)
         return text, [Request(cid, ids, params.for_child(i), max_tokens, self.eos_token_ids, lora_request, mm)

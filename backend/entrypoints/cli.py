@@ -57,6 +57,8 @@ def _cmd_gateway(args) -> int:
         prefill_urls=args.prefill,
         decode_urls=args.decode,
         allow_kv_transfer_params=args.allow_kv_transfer_params,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=args.allowed_media_domains,
     )
     # On SIGTERM, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cancelled (which cancels them in Triton).
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -177,7 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--port", type=int, default=9000)
     gateway.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env NPU_LLM_API_KEY)")
     gateway.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
-    gateway.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    gateway.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                         help="the largest request body (images sent as data: URLs count: raise it for big images)")
+    gateway.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                         help="vision-language models: file:// image URLs are read from under this folder (else refused)")
+    gateway.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                         help="vision-language models: http(s) image URLs are fetched from these hosts only (else "
+                              "refused)")
     gateway.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
                          help="the model's tool-call format for tool_choice=auto (default: read off its chat template)")
     gateway.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default="auto",

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from backend.gateway.client import TritonClient
 from backend.gateway.errors import INTERNAL_ERROR, ApiError
+from backend.gateway.media import MediaLoader, takes_images
 from backend.gateway.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
 from backend.gateway.proxy import DisaggregatedClient
 from backend.gateway.reasoning import REASONING_PARSERS, reasoning_parser
@@ -29,7 +30,7 @@ from backend.gateway.routes import COUNTED, ROUTES, RUNTIME_LORA_ROUTES
 from backend.gateway.serving import Serving
 from backend.gateway.serving_models import runtime_lora_updating
 from backend.gateway.tools import TOOL_CALL_PARSERS, tool_call_parser
-from backend.models.registry import DEFAULT_MODEL
+from backend.models.registry import DEFAULT_MODEL, resolve_model
 
 
 @dataclass
@@ -48,6 +49,9 @@ class GatewaySettings:
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
     allow_kv_transfer_params: bool = False  # a client's kv_transfer_params reach the engine (a proxy in front)
+    # vision-language models: where image URLs may point (backend/gateway/media.py)
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] = field(default_factory=list)
 
 
 def _load_tokenizer(name_or_path: str):
@@ -89,7 +93,9 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> Starlette:
     serving = Serving(tokenizer, tool_call_parser=tool_call_parser(tokenizer, settings.tool_call_parser),
                       reasoning_parser=reasoning_parser(tokenizer, settings.reasoning_parser),
                       allow_kv_transfer_params=settings.allow_kv_transfer_params,
-                      served_model_name=settings.served_model_name)
+                      served_model_name=settings.served_model_name,
+                      media=MediaLoader(takes_images(resolve_model(settings.tokenizer)),
+                                        settings.allowed_local_media_path, settings.allowed_media_domains))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

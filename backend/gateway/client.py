@@ -75,7 +75,8 @@ class TritonClient:
         await self._client.close()
 
     async def generate(self, prompt: str, params: SamplingParams, stream: bool, request_id: str,
-                       prompt_token_ids: list[int] | None = None, lora_name: str | None = None) -> AsyncIterator[Chunk]:
+                       prompt_token_ids: list[int] | None = None, lora_name: str | None = None,
+                       images: list[str] = ()) -> AsyncIterator[Chunk]:
         """Responses of one request (the completion only, never the prompt); leaving the iteration early cancels
         it on the server. With prompt_token_ids the engine gets those ids as they are, and `prompt` is their text.
         params travel whole, kv_transfer_params included, as the sampling_parameters input."""
@@ -93,6 +94,10 @@ class TritonClient:
             ids = grpcclient.InferInput("prompt_token_ids", [len(prompt_token_ids)], "INT64")
             ids.set_data_from_numpy(np.array(prompt_token_ids, dtype=np.int64))
             inputs.append(ids)
+        if images:  # (vllm_backend's `image` input: base64 text, one image an element)
+            image = grpcclient.InferInput("image", [len(images)], "BYTES")
+            image.set_data_from_numpy(np.array([i.encode() for i in images], dtype=np.object_))
+            inputs.append(image)
 
         request = {"model_name": self.model, "inputs": inputs, "request_id": request_id}
 

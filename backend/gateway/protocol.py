@@ -176,6 +176,21 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ImageUrl(OpenAIModel):
+    url: str = Field(min_length=1)  # data:image/...;base64,..., file://... or http(s)://... (backend/gateway/media.py)
+    detail: Literal["auto", "low", "high"] | None = None  # (accepted, as vLLM accepts it: the model sees every pixel)
+
+
+class ImageUrlPart(OpenAIModel):
+    """An image in a user's message (a vision-language model's)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class FunctionCall(OpenAIModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -191,7 +206,7 @@ class ToolCallIn(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this is the result of
     name: str | None = None
@@ -202,15 +217,31 @@ class ChatMessage(OpenAIModel):
             raise ValueError(f"a {self.role} message needs content")
         return self
 
+    @model_validator(mode="after")
+    def _images_from_users(self):
+        if self.role != "user" and self.image_urls:
+            raise ValueError(f"a {self.role} message cannot carry images (only user messages do)")
+        return self
+
     @property
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else \
+            "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def image_urls(self) -> list[str]:
+        return [] if isinstance(self.content, (str, type(None))) else \
+            [p.image_url.url for p in self.content if isinstance(p, ImageUrlPart)]
 
     def for_template(self) -> dict:
-        """The message as chat templates read it: tool call arguments as objects (as vLLM passes them)."""
-        message = {"role": self.role, "content": self.text}
+        """The message as chat templates read it: its text, or with images its parts in order (an image part as
+        {"type": "image"}, for which a vision-language model's template writes its placeholder); tool call arguments
+        as objects (as vLLM passes them)."""
+        content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                   for p in self.content] if self.image_urls else self.text
+        message = {"role": self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.function.name,

@@ -67,12 +67,15 @@ class DisaggregatedClient:
             await client.close()
 
     async def generate(self, prompt: str, params: SamplingParams, stream: bool, request_id: str,
-                       prompt_token_ids: list[int] | None = None, lora_name: str | None = None) -> AsyncIterator[Chunk]:
+                       prompt_token_ids: list[int] | None = None, lora_name: str | None = None,
+                       images: list[str] = ()) -> AsyncIterator[Chunk]:
         """The decode server's responses, after a prefill elsewhere: the least loaded decode server that answers.
         A request the consumer side cannot take from a remote prefill (several samples, prompt logprobs) is decoded
         where it is prefilled: on a decode server. (Engines of a disaggregated deployment serve no adapters.)"""
         if lora_name is not None:
             raise InvalidRequest("LoRA adapters are not served with disaggregated prefill")
+        if images:
+            raise InvalidRequest("images are not served with disaggregated prefill")
         if params.kv_transfer_params is None and params.n == 1 and params.prompt_logprobs is None:
             params = _with_transfer(params, await self._prefill(prompt, params, request_id, prompt_token_ids))
         unavailable = None

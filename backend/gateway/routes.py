@@ -54,9 +54,10 @@ async def until_disconnected(request: Request, work):
 async def chat(request: Request) -> Response:
     serving = request.app.state.serving
     req = await parse(request, ChatCompletionRequest)
+    images = await serving.media.images_of(req.messages)  # (first: a text-only model's template fails on parts)
     prompt, constraint = serving_chat.prepare(serving, req)
     return await until_disconnected(request, serving_chat.answer(serving, req, prompt, constraint,
-                                                                 request.state.started))
+                                                                 request.state.started, images))
 
 
 async def completions(request: Request) -> Response:

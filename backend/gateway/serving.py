@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from backend.engine.sampling_params import SamplingParams
 from backend.gateway.client import Chunk, TritonClient
 from backend.gateway.errors import ApiError, triton_errors
+from backend.gateway.media import MediaLoader
 from backend.gateway.request_body import validate
 
 
@@ -66,15 +67,16 @@ class Serving:
     allow_kv_transfer_params: bool = False
     served_model_name: str = ""  # the base model's name; any other `model` a request names is an adapter
     adapters: dict[str, str] = field(default_factory=dict)  # the Triton model's LoRA adapters, as last asked
+    media: MediaLoader = field(default_factory=MediaLoader)  # a chat request's images (backend/gateway/media.py)
 
     async def start(self, endpoint: str, started: float, prompt: str, parameters: dict, stream: bool,
                     request_id: str, prompt_token_ids: list[int] | None = None,
-                    model: str | None = None) -> tuple[Chunk, AsyncIterator[Chunk]]:
-        """Send the request to Triton (with the adapter its `model` names) and wait for its first response (the
-        engine's verdict on it)."""
+                    model: str | None = None, images: list[str] = ()) -> tuple[Chunk, AsyncIterator[Chunk]]:
+        """Send the request to Triton (with the adapter its `model` names, and its images base64-encoded) and wait for
+        its first response (the engine's verdict on it)."""
         lora_name = None if model in (None, self.served_model_name) else model
         responses = self.triton.generate(prompt, self.sampling_params(parameters), stream, request_id, prompt_token_ids,
-                                         lora_name)
+                                         lora_name, images)
         with triton_errors():
             try:
                 first = await anext(responses)

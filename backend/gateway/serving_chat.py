@@ -47,10 +47,11 @@ def prepare(serving: Serving, req: ChatCompletionRequest) -> tuple[str, Structur
     return prompt, tool_constraint or constraint
 
 
-async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, constraint, started: float) -> Response:
+async def answer(serving: Serving, req: ChatCompletionRequest, prompt: str, constraint, started: float,
+                 images: list[str] = ()) -> Response:
     rid = completion_id("chatcmpl")
     chunk, responses = await serving.start("chat", started, prompt, req.engine_parameters(constraint), req.stream, rid,
-                                             model=req.model)
+                                             model=req.model, images=images)
     deltas = [choice_deltas(serving, req, prompt, constraint) for _ in range(req.n)]
     if req.stream:
         return event_stream(_events(serving, req, deltas, rid, chunk, responses))

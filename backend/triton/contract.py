@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from backend.config.json_object import json_object
 from backend.engine.outputs import RequestOutput
 
 from backend.engine.sampling_params import SamplingParams
+from backend.media import decode_base64_image
 
 # Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
 # vllm_backend's own prefix for a request's errors, so that its clients read ours the same way.
@@ -51,6 +52,9 @@ INPUTS = [
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     # npu-llm's extension: the prompt as token ids (then text_input is only its display text, and may be empty)
     {"name": "prompt_token_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+    # vllm_backend's: a vision-language model's images, one base64-encoded image (PNG, JPEG, ...) an element; the
+    # prompt carries the model's placeholder for each
+    {"name": "image", "data_type": "TYPE_STRING", "dims": [-1], "optional": True},
     *({"name": flag, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for flag in FLAGS),
 ]
 OUTPUTS = [
@@ -89,13 +93,17 @@ class ParsedRequest:
     return_num_output_tokens: bool = False
     prompt_token_ids: list[int] | None = None
     lora_name: str | None = None  # vllm_backend's: the adapter to run with (backend/triton/loras.py)
+    images: list = field(default_factory=list)  # the `image` input's, decoded (PIL images)
 
     @property
     def engine_prompt(self) -> str | dict:
-        """What the engine gets: the token ids as they are when given, else the text."""
-        if self.prompt_token_ids is None:
+        """What the engine gets: the token ids as they are when given, else the text; and the images, as vLLM's
+        multi_modal_data."""
+        if self.prompt_token_ids is None and not self.images:
             return self.prompt
-        return {"prompt_token_ids": self.prompt_token_ids, "prompt": self.prompt or None}
+        prompt = {"prompt": self.prompt} if self.prompt_token_ids is None else \
+            {"prompt_token_ids": self.prompt_token_ids, "prompt": self.prompt or None}
+        return {**prompt, "multi_modal_data": {"image": self.images}} if self.images else prompt
 
 
 def _scalar(value: np.ndarray | None):
@@ -148,6 +156,9 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict) -> Par
         raise ValueError(f"text_input is not valid UTF-8: {e}") from None
     ids = inputs.get("prompt_token_ids")
     prompt_token_ids = None if ids is None else [int(t) for t in ids.reshape(-1)]
+    encoded = inputs.get("image")
+    images = [] if encoded is None else [decode_base64_image(data, f"image[{i}]")
+                                          for i, data in enumerate(encoded.reshape(-1))]
 
     # Sampling parameters come as a JSON string input, or (generate endpoint) as request parameters: one or the
     # other, as vllm_backend reads them, never merged.
@@ -180,7 +191,7 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict) -> Par
     except ValueError as e:  # pydantic's message names each offending field
         raise ValueError(f"invalid sampling parameters: {e}") from None
     return ParsedRequest(prompt=prompt, stream=stream, params=params, prompt_token_ids=prompt_token_ids,
-                         lora_name=lora_name, **flags)
+                         lora_name=lora_name, images=images, **flags)
 
 
 # guided_decoding.backend values vllm_backend lets through (it maps them all to xgrammar, as we do)

@@ -1,0 +1,109 @@
+"""The images of a chat request, each fetched and decoded before anything reaches Triton, as vLLM's media connector
+takes them: a data: URL always; a file:// URL only under --allowed-local-media-path; an http(s) URL only from a host
+in --allowed-media-domains (unlike vLLM, no host is allowed by default: the gateway fetching whatever a client names
+is a door into the network behind it), without following redirects, within a timeout and a size cap. Each failure is
+a 400 naming the message part it came from. Triton gets each image's own bytes, base64-encoded (its `image` input)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from backend.gateway.errors import ApiError
+from backend.gateway.protocol import ChatMessage, ImageUrlPart
+from backend.media import data_url_bytes, decode_image
+
+# vLLM's VLLM_IMAGE_FETCH_TIMEOUT (seconds), read the same way
+FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"
+DEFAULT_FETCH_TIMEOUT_S = 5.0
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+
+
+def takes_images(model_folder: Path) -> bool:
+    """Whether the model is a vision-language model (its config.json has a vision_config)."""
+    config = model_folder / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+@dataclass
+class MediaLoader:
+    takes_images: bool = False
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] = field(default_factory=list)
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    timeout_s: float = field(default_factory=lambda: float(os.environ.get(FETCH_TIMEOUT_ENV, DEFAULT_FETCH_TIMEOUT_S)))
+
+    def __post_init__(self):
+        if self.allowed_local_media_path is not None:
+            folder = Path(self.allowed_local_media_path)
+            if not folder.is_dir():
+                raise ValueError(f"--allowed-local-media-path {folder}: not a directory")
+            self.allowed_local_media_path = str(folder.resolve())
+
+    async def images_of(self, messages: list[ChatMessage]) -> list[str]:
+        """The conversation's images in order, base64-encoded, each checked to decode; an ApiError (400) naming the
+        part that fails."""
+        parts = [(f"messages[{i}].content[{j}]", part) for i, message in enumerate(messages)
+                 if not isinstance(message.content, (str, type(None)))
+                 for j, part in enumerate(message.content) if isinstance(part, ImageUrlPart)]
+        if parts and not self.takes_images:
+            raise ApiError(400, "this model takes text only: send the conversation without image_url parts",
+                           param=parts[0][0])
+        return [await self._image(part.image_url.url, where) for where, part in parts]
+
+    async def _image(self, url: str, where: str) -> str:
+        try:
+            data = await self._bytes(url, where)
+            await asyncio.to_thread(decode_image, data, where)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=where) from None
+        return base64.b64encode(data).decode()
+
+    async def _bytes(self, url: str, where: str) -> bytes:
+        scheme = urlparse(url).scheme.lower()
+        if scheme == "data":
+            return data_url_bytes(url, where)
+        if scheme == "file":
+            return await asyncio.to_thread(self._local_file, url, where)
+        if scheme in ("http", "https"):
+            return await self._fetch(url, where)
+        raise ValueError(f"{where}: the image URL must be a data:, file:// or http(s):// URL")
+
+    def _local_file(self, url: str, where: str) -> bytes:
+        if self.allowed_local_media_path is None:
+            raise ValueError(f"{where}: file:// images need the gateway's --allowed-local-media-path")
+        path = Path(unquote(urlparse(url).path)).resolve()
+        if Path(self.allowed_local_media_path) not in path.parents:
+            raise ValueError(f"{where}: {path} is not under --allowed-local-media-path {self.allowed_local_media_path}")
+        if not path.is_file():
+            raise ValueError(f"{where}: no file {path}")
+        if path.stat().st_size > self.max_image_bytes:
+            raise ValueError(f"{where}: {path} is larger than {self.max_image_bytes} bytes")
+        return path.read_bytes()
+
+    async def _fetch(self, url: str, where: str) -> bytes:
+        import httpx
+
+        host = urlparse(url).hostname or ""
+        if host not in self.allowed_media_domains:
+            raise ValueError(f"{where}: images from {host or url!r} are not fetched: the gateway fetches http(s) images "
+                             "only from the hosts of its --allowed-media-domains")
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
+                async with client.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        raise ValueError(f"{where}: fetching {url} answered HTTP {response.status_code}")
+                    data = bytearray()
+                    async for chunk in response.aiter_bytes():
+                        data += chunk
+                        if len(data) > self.max_image_bytes:
+                            raise ValueError(f"{where}: {url} is larger than {self.max_image_bytes} bytes")
+                    return bytes(data)
+        except httpx.TimeoutException:
+            raise ValueError(f"{where}: fetching {url} took longer than {self.timeout_s} s") from None
+        except httpx.HTTPError as e:
+            raise ValueError(f"{where}: fetching {url} failed ({e})") from None
