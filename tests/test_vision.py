@@ -1,7 +1,8 @@
 """Qwen2.5-VL: a tiny random checkpoint in its published layout, served with images (vLLM's multi_modal_data), equals
 transformers' greedy tokens and logprobs in fp32 with one and two images of different sizes, with chunked prefill
 splitting an image's tokens, a prefix-cache hit with the same image and none with another, and preemption; the
-vision tower runs once per image (the encoder cache); bad images and mismatched placeholders fail at admission."""
+vision tower runs once per image (the encoder cache); two ranks equal one; bad images and mismatched placeholders fail
+at admission."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +113,15 @@ def test_a_text_only_model_refuses_images(default_model_dir):
     with LLM(model=str(default_model_dir), dtype="float32") as llm:
         with pytest.raises(ValueError, match="takes text only"):
             llm.generate({"prompt": "Hi", "multi_modal_data": {"image": random_image(28, 28, 6)}})
+
+
+def test_two_ranks_equal_one(vl_dir):
+    """Tensor parallel: the decoder sharded over two ranks (gloo), the tower on each; the same greedy tokens."""
+    image = random_image(84, 56, 7)
+    outputs = []
+    for ranks in (1, 2):
+        with LLM(model=str(vl_dir), dtype="float32", block_size=16, max_num_batched_tokens=20,
+                 tensor_parallel_size=ranks) as llm:
+            prompt = _prompt(llm.get_tokenizer(), 1, "Describe it.")
+            outputs.append(_greedy(llm, [{"prompt": prompt, "multi_modal_data": {"image": image}}])[0])
+    assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids

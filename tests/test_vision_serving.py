@@ -135,3 +135,47 @@ def test_tritons_image_input_answers_as_the_engine(vl_triton, media_dir, expecte
 def test_a_text_only_model_refuses_an_image_part(gateway):
     response = _chat(gateway, _data_url(_png(random_image(28, 28, 3))), model=DEFAULT_MODEL)
     assert response.status_code == 400 and "takes text only" in response.json()["error"]["message"]
+
+
+def test_the_ui_sends_an_attached_picture_and_keeps_it_across_a_reload(vl_gateway, vl_triton, media_dir,
+                                                                        tmp_path_factory, expected):
+    """In Chromium: a picture attached to a question, a reply to the prompt with the picture's tokens, and after a
+    reload the picture still in the conversation (its image loads)."""
+    from tests.ui_browser import ARTIFACTS, chromium_page, open_ui, reply_done, running_ui, set_field
+
+    with running_ui(vl_gateway, vl_triton.metrics_url, tmp_path_factory.mktemp("vl-ui")) as url, \
+            chromium_page() as page:
+        open_ui(page, url)
+        set_field(page, "#max-tokens input[type=number]", "24")  # (a short reply: the picture stays in view)
+        page.locator("#message input[type=file]").set_input_files(str(media_dir / "picture.png"))
+        page.wait_for_function("document.querySelectorAll('#message img').length > 0", timeout=30000)
+        page.locator("#message textarea").fill(QUESTION)
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_function("document.querySelector('#message textarea').value === ''", timeout=30000)
+        assert reply_done(page).strip()
+        # the prompt as the engine counted it: the picture's tokens in it (the UI samples, so the reply differs)
+        assert f"prompt {expected[2]} tokens" in page.locator("#reply-stats").inner_text()
+        shown = "document.querySelectorAll('#chatbot .message.user img').length"
+        assert page.evaluate(shown) == 1
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "ui-vision.png"))
+        open_ui(page, url)  # a reload: the conversation comes back from the browser's storage
+        page.locator("#conversations label").first.click()
+        page.wait_for_function(f"{shown} === 1 && [...document.querySelectorAll('#chatbot .message.user img')]"
+                               ".every(i => i.complete && i.naturalWidth > 0)", timeout=30000)
+
+
+def test_the_ui_refuses_a_picture_for_a_text_only_model(gateway, triton_server, media_dir, tmp_path_factory):
+    """Before sending: a warning, the chat left empty, the box still holding the question."""
+    from tests.ui_browser import chromium_page, open_ui, running_ui
+
+    with running_ui(gateway, triton_server.metrics_url, tmp_path_factory.mktemp("text-ui")) as url, \
+            chromium_page() as page:
+        open_ui(page, url)
+        page.locator("#message input[type=file]").set_input_files(str(media_dir / "picture.png"))
+        page.wait_for_function("document.querySelectorAll('#message img').length > 0", timeout=30000)
+        page.locator("#message textarea").fill(QUESTION)
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_function("document.body.innerText.includes('takes text only')", timeout=30000)
+        assert page.locator("#chatbot .message").count() == 0
+        assert page.locator("#message textarea").input_value() == QUESTION

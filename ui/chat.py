@@ -1,7 +1,8 @@
 """Gradio chat UI: an ordinary OpenAI client of the gateway, with conversations kept in the browser and a panel of
 Triton's metrics.
 
-Replies stream token by token; a thinking model's reasoning (the gateway's reasoning_content) streams into a
+A message may carry pictures (attached with the clip, dropped or pasted), sent to a vision-language model as
+image_url parts (ui/images.py says how they are kept). Replies stream token by token; a thinking model's reasoning (the gateway's reasoning_content) streams into a
 thought above the answer, which folds away once the answer begins. Stop cancels the Gradio event, which closes the
 HTTP stream, so the gateway cancels the Triton request and the engine frees it.
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import gradio as gr
 from openai import OpenAIError
 
-from ui import conversations
+from ui import conversations, images
 from ui.chat_client import ChatClient, chat_request
 from ui.content_policy import MIDDLEWARE
 from ui.conversations import SETTINGS
@@ -43,6 +44,7 @@ REGENERATE, REGENERATE_SELECTED = "Regenerate", "Regenerate selected"
 # and a slow browser given one per token falls ever further behind (its clicks wait behind the backlog).
 REDRAW_S = 0.1
 SKIP = gr.skip()  # (an output left as it is)
+EMPTY_MESSAGE = {"text": "", "files": []}
 
 
 @dataclass
@@ -76,7 +78,7 @@ class Session:
 
     def restore(self, stored) -> None:
         if not self.restored:
-            self.store, self.restored = conversations.loaded(stored), True
+            self.store, self.restored = images.shown_again(conversations.loaded(stored)), True
 
     def take_chat(self) -> int:
         """The chat taken from whoever had it (its stats line emptied): a reply streaming now stops at its next
@@ -205,12 +207,23 @@ def build_app(settings: UISettings) -> gr.Blocks:
 
     # The chat ----------------------------------------------------------------------------------------------------
     async def send_message(session, stored, message, query, *values):
-        if not message.strip():
+        """The message box's text and pictures (each a message of its own, ui/images.py), sent; a picture for a
+        model that takes text only is refused before anything is sent, and the box keeps what it holds."""
+        text, files = message["text"], message.get("files") or []
+        if not text.strip() and not files:
             yield [SKIP] * 7
             return
         session.restore(stored)
-        asked = settled(session.chat()) + [{"role": "user", "content": message}]
-        async for shown in stream(session, asked, query, values, ["", REGENERATE]):
+        try:
+            if files and not await client.takes_images(_settings(values)["model"]):
+                raise ValueError("This model takes text only: remove the picture to send the message.")
+            pictures = [images.attached(f if isinstance(f, str) else f["path"]) for f in files]
+        except ValueError as e:
+            gr.Warning(str(e))
+            yield [SKIP] * 7
+            return
+        asked = settled(session.chat()) + pictures + ([{"role": "user", "content": text}] if text.strip() else [])
+        async for shown in stream(session, asked, query, values, [EMPTY_MESSAGE, REGENERATE]):
             yield shown
 
     async def answer_anew(asked, session, query, values):
@@ -303,7 +316,10 @@ def build_app(settings: UISettings) -> gr.Blocks:
                 chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, editable="user",
                                      buttons=["copy", "copy_all"])
                 stats = gr.Markdown("", elem_id="reply-stats")
-                message = gr.Textbox(placeholder="Ask something…", show_label=False, elem_id="message")
+                # (pictures: the paperclip, dropped on the box or pasted into it; sent to a vision-language model)
+                message = gr.MultimodalTextbox(placeholder="Ask something… (attach a picture with the clip, by "
+                                               "dropping or pasting it)", show_label=False, elem_id="message",
+                                               file_types=["image"], file_count="multiple", sources=["upload"])
                 with gr.Row():
                     send = gr.Button("Send", variant="primary", elem_id="send")
                     stop = gr.Button("Stop", elem_id="stop")

@@ -26,6 +26,16 @@ class ChatClient:
             self._model = (await self.client.models.list()).data[0].id
         return self._model
 
+    async def takes_images(self, model: str | None) -> bool:
+        """Whether the model (the base model when None) takes pictures: its card's input_modalities (when the gateway
+        cannot say, the request goes, and its answer says)."""
+        try:
+            cards = (await self.client.models.list()).data
+        except openai.OpenAIError:
+            return True
+        card = next((c for c in cards if c.id == model), cards[0])
+        return "image" in (getattr(card, "input_modalities", None) or ["text"])
+
     async def models(self) -> list[str]:
         """What a chat can talk to: the base model, then its LoRA adapters (the gateway's /v1/models)."""
         return [card.id for card in (await self.client.models.list()).data]

@@ -9,6 +9,7 @@ import copy
 import time
 import uuid
 
+from ui.images import within_budget
 from ui.messages import as_openai, text_of
 
 # the side panel's fields, in the order build_app lays them out
@@ -32,7 +33,8 @@ def title(conversation: dict | None) -> str:
         return UNTITLED
     if conversation.get("title"):
         return conversation["title"]
-    first = next((text_of(m["content"]) for m in conversation["messages"] if m["role"] == "user"), "")
+    first = next((text for m in conversation["messages"] if m["role"] == "user" and (text := text_of(m["content"]))),
+                 "")
     words = " ".join(first.split())
     return (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or UNTITLED
 
@@ -71,7 +73,7 @@ def saved(store: dict, messages: list[dict], settings: dict) -> dict:
     if conversation["messages"] != messages:
         conversation["messages"], conversation["updated"] = copy.deepcopy(messages), time.time()
     conversation["settings"] = dict(settings)
-    return store
+    return within_budget(store)
 
 
 def switched(store: dict, conversation_id: str | None) -> dict:
@@ -95,5 +97,12 @@ def deleted(store: dict) -> dict:
 def as_markdown(name: str, messages: list[dict], settings: dict) -> str:
     """The conversation as a Markdown document: its title, then each message under its role, the system prompt
     first (the thoughts left out, as they are from what the model is sent)."""
-    return "\n\n".join([f"# {name}"] + [f"## {m['role'].capitalize()}\n\n{m['content']}"
+    return "\n\n".join([f"# {name}"] + [f"## {m['role'].capitalize()}\n\n{_markdown(m['content'])}"
                                          for m in as_openai(messages, settings["system"])]) + "\n"
+
+
+def _markdown(content) -> str:
+    """A message's content in Markdown: its text, each picture a placeholder (its data would swamp the document)."""
+    if isinstance(content, str):
+        return content
+    return "\n\n".join("🖼️ (picture)" if part["type"] == "image_url" else part["text"] for part in content)

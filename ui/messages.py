@@ -27,17 +27,29 @@ def is_shown_only(message: dict) -> bool:
 
 
 def text_of(content) -> str:
-    """A message's text, from a string or the chatbot's list of parts."""
+    """A message's text, from a string or the chatbot's list of parts (a picture's file has none)."""
     if isinstance(content, str):
         return content
+    if isinstance(content, dict):
+        return ""
     return "".join(part.get("text") or "" for part in content or [] if isinstance(part, dict))
 
 
 def as_openai(history: list[dict], system: str) -> list[dict]:
     """The conversation as OpenAI chat messages: the system prompt (if any), then each turn without its thoughts
-    (and without the UI's notes)."""
-    return ([{"role": "system", "content": system}] if system.strip() else []) + [
-        {"role": m["role"], "content": text_of(m["content"])} for m in history if not is_shown_only(m)]
+    (and without the UI's notes); pictures (ui/images.py) as image_url parts of the user message they come before."""
+    messages, pictures = [{"role": "system", "content": system}] if system.strip() else [], []
+    for m in history:
+        if is_shown_only(m):
+            continue
+        if "image" in m:
+            pictures.append({"type": "image_url", "image_url": {"url": m["image"]}})
+        elif pictures and m["role"] == "user":
+            messages.append({"role": "user", "content": pictures + [{"type": "text", "text": text_of(m["content"])}]})
+            pictures = []
+        else:
+            messages.append({"role": m["role"], "content": text_of(m["content"])})
+    return messages + ([{"role": "user", "content": pictures}] if pictures else [])
 
 
 def shown(reasoning: str, answer: str, thinking: bool) -> list[dict]:

@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from backend.gateway.errors import ApiError
 from backend.gateway.protocol import ChatMessage, ImageUrlPart
-from backend.media import data_url_bytes, decode_image
+from backend.triton.media import data_url_bytes, decode_image
 
 # vLLM's VLLM_IMAGE_FETCH_TIMEOUT (seconds), read the same way
 FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"

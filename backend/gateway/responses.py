@@ -113,6 +113,8 @@ class ModelCard(BaseModel):
     owned_by: str = "npu-llm"
     root: str | None = None  # an adapter's folder (vLLM's field)
     parent: str | None = None  # an adapter's base model
+    # what a request may send it (OpenRouter's name): ["text"], or ["text", "image"] for a vision-language model
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(BaseModel):

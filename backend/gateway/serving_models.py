@@ -64,7 +64,9 @@ async def list_models(serving: Serving) -> Response:
         if e.status != 503:
             raise
         known = serving.adapters
-    cards = [ModelCard(id=base)] + [ModelCard(id=name, root=path, parent=base) for name, path in known.items()]
+    modalities = ["text", "image"] if serving.media.takes_images else ["text"]
+    cards = [ModelCard(id=base, input_modalities=modalities)] + [
+        ModelCard(id=name, root=path, parent=base, input_modalities=modalities) for name, path in known.items()]
     return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
 

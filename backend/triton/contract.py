@@ -16,7 +16,7 @@ from backend.config.json_object import json_object
 from backend.engine.outputs import RequestOutput
 
 from backend.engine.sampling_params import SamplingParams
-from backend.media import decode_base64_image
+from backend.triton.media import decode_base64_image
 
 # Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
 # vllm_backend's own prefix for a request's errors, so that its clients read ours the same way.
