@@ -198,13 +198,16 @@ QWEN_VL_CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_qwen2_5_vl(path, tokenizer_dir) -> Path:
-    """A Qwen2.5-VL folder with random weights, the way its checkpoints are published: config.json (text_config,
-    vision_config), safetensors, preprocessor_config.json (its image processor, at a few hundred pixels an image so
-    that images are a few dozen tokens) and a tokenizer with its special tokens and chat template (the default model's
-    vocabulary). The tower: two blocks, windows of 2x2 merged patches, the second block over the whole image."""
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers import Qwen2VLImageProcessorPil
+def make_tiny_qwen_vl(path, tokenizer_dir, arch: str = "qwen2_5_vl") -> Path:
+    """A Qwen2.5-VL (arch "qwen3_vl": Qwen3-VL) folder with random weights, the way its checkpoints are published:
+    config.json (text_config, vision_config), safetensors, preprocessor_config.json (its image processor, at a few
+    hundred pixels an image so that images are a few dozen tokens) and a tokenizer with its special tokens and chat
+    template (the default model's vocabulary). Qwen2.5-VL's tower: two blocks, windows of 2x2 merged patches, the
+    second block over the whole image. Qwen3-VL's: three blocks, a 4x4 grid of learned positions, DeepStack from the
+    first two; its decoder Qwen3's (q/k norms), its M-RoPE interleaved."""
+    from transformers import (
+        AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLImageProcessorPil, Qwen3VLConfig,
+    )
 
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -213,20 +216,23 @@ def make_tiny_qwen2_5_vl(path, tokenizer_dir) -> Path:
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                                                           "<|image_pad|>", "<|video_pad|>")}
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rms_norm_eps=1e-6, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|im_end|>"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                rms_norm_eps=1e-6, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|im_end|>"],
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    if arch == "qwen3_vl":
+        config_class = Qwen3VLConfig
+        vision.update(depth=3, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    else:
+        config_class = Qwen2_5_VLConfig
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

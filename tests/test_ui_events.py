@@ -53,6 +53,7 @@ class Page:
 
 def test_a_switch_and_a_question_in_either_order_leave_each_conversation_its_own(gateway):
     app = build_app(UISettings(gateway_url=gateway, api_key=GATEWAY_API_KEY))
+    QUESTION = {"text": "Name a color.", "files": []}  # (the message box's value)
 
     async def scenario(order: str) -> dict:
         page = Page(app)
@@ -60,11 +61,11 @@ def test_a_switch_and_a_question_in_either_order_leave_each_conversation_its_own
                                                      _conversation("c2", "two", "2", 2.0)]}
         await page.call("restore", [None, stored, ""])
         if order == "question, then switch":
-            await page.call("send_message", [None, stored, "Name a color.", "", *VALUES], "reply")  # (the question)
+            await page.call("send_message", [None, stored, QUESTION, "", *VALUES], "reply")  # (the question)
             await page.call("switch", [None, stored, "c2", "", *VALUES], "switch")
         else:  # the question's request was sent before the switch's answer reached the page
             await page.call("switch", [None, stored, "c2", "", *VALUES], "switch")
-            await page.to_the_end("send_message", [None, stored, "Name a color.", "", *VALUES], "reply")
+            await page.to_the_end("send_message", [None, stored, QUESTION, "", *VALUES], "reply")
         return page.session.store
 
     async def viewing(page: Page) -> list:

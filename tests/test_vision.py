@@ -1,22 +1,27 @@
-"""Qwen2.5-VL: a tiny random checkpoint in its published layout, served with images (vLLM's multi_modal_data), equals
-transformers' greedy tokens and logprobs in fp32 with one and two images of different sizes, with chunked prefill
-splitting an image's tokens, a prefix-cache hit with the same image and none with another, and preemption; the
-vision tower runs once per image (the encoder cache); two ranks equal one; bad images and mismatched placeholders fail
-at admission."""
+"""Qwen2.5-VL and Qwen3-VL: tiny random checkpoints in their published layout, served with images (vLLM's
+multi_modal_data), equal transformers' greedy tokens and logprobs in fp32 with one and two images of different sizes,
+with chunked prefill splitting an image's tokens, a prefix-cache hit with the same image and none with another, and
+preemption; the vision tower runs once per image (the encoder cache); two ranks equal one; bad images and mismatched
+placeholders fail at admission."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from tests.conftest import make_tiny_qwen2_5_vl, random_image
+from tests.conftest import make_tiny_qwen_vl, random_image
 
 STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory, default_model_dir):
-    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
+    return make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def each_vl_dir(request, tmp_path_factory, default_model_dir):
+    return make_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), default_model_dir, request.param)
 
 
 def _prompt(tokenizer, num_images: int, text: str) -> str:
@@ -27,9 +32,9 @@ def _prompt(tokenizer, num_images: int, text: str) -> str:
 
 def _transformers_greedy(model_dir, prompt_ids: list[int], images: list, steps: int):
     """transformers' greedy tokens and each one's logprob, without a KV cache (every step sees the whole sequence)."""
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     pixels = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt") if images else {}
     ids, logprobs = torch.tensor([prompt_ids]), []
     with torch.no_grad():
@@ -46,11 +51,12 @@ def _greedy(llm, prompts: list[dict]):
     return outputs
 
 
-def test_greedy_tokens_equal_transformers_with_chunks_hits_and_preemption(vl_dir):
+def test_greedy_tokens_equal_transformers_with_chunks_hits_and_preemption(each_vl_dir):
     """One image, two images of different sizes, the first again (a prefix hit), the first's text with another
     image (no hit past the image's first block), and a text-only prompt: all equal transformers, in a step budget
     smaller than an image's tokens (chunked prefill splits them) and a cache too small for all at once (preemption)."""
     first, second, other = random_image(84, 56, 1), random_image(40, 30, 2), random_image(84, 56, 3)
+    vl_dir = each_vl_dir
     with LLM(model=str(vl_dir), dtype="float32", block_size=16, max_num_batched_tokens=20, num_kv_blocks=8,
              max_num_seqs=4) as llm:
         tokenizer = llm.get_tokenizer()

@@ -15,7 +15,7 @@ import pytest
 from backend import LLM, SamplingParams
 from backend.models.registry import DEFAULT_MODEL
 from tests.conftest import (
-    GATEWAY_API_KEY, free_port, generate_through_triton, make_tiny_qwen2_5_vl, random_image, served_by_triton,
+    GATEWAY_API_KEY, free_port, generate_through_triton, make_tiny_qwen_vl, random_image, served_by_triton,
     start_gateway,
 )
 
@@ -35,7 +35,7 @@ def _data_url(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory, default_model_dir):
-    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
+    return make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3For
          "Glm4ForCausalLM")
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 LATENT_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # (and their experts)
-VISION_LANGUAGE = ("Qwen2_5_VLForConditionalGeneration",)  # (backend/models/qwen_vl.py)
+VISION_LANGUAGE = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")  # (models/qwen_vl.py)
 SUPPORTED_ARCHITECTURES = DENSE + MOE + LATENT_ATTENTION + VISION_LANGUAGE
 
 
@@ -78,7 +78,7 @@ def attention_spec(config) -> AttentionSpec:
         return AttentionSpec(qkv_bias=bias, o_bias=False, qk_norm=bool(config.use_qk_norm))
     if config.model_type in ("glm", "glm4"):  # likewise
         return AttentionSpec(qkv_bias=bias, o_bias=False, qk_norm=False)
-    return AttentionSpec(qkv_bias=bias, o_bias=bias, qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
+    return AttentionSpec(qkv_bias=bias, o_bias=bias, qk_norm=config.model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text"))
 
 
 @dataclass(frozen=True)

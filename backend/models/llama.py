@@ -172,7 +172,9 @@ class LlamaModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
-    def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata, inputs_embeds=None):
+    def forward(self, input_ids, positions, cos_sin_cache, kv_caches, metadata, inputs_embeds=None, after_layers=None):
+        """after_layers: (rows, values) added to the hidden states of those rows after the first layers, one per
+        layer (Qwen3-VL's DeepStack: backend/models/qwen_vl.py)."""
         x, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
         aux = []
         # (a draft head after them, with its own cache, runs apart: backend/models/mtp.py, eagle.py)
@@ -180,6 +182,9 @@ class LlamaModel(nn.Module):
             if i in self.aux_layers:  # (vLLM's: the layer's input, residual included; never layer 0's)
                 aux.append(x + residual)
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, metadata)
+            if after_layers and i < len(after_layers):
+                rows, values = after_layers[i]
+                x[rows] += values  # (x + residual is the hidden state: adding to x adds to it)
         if aux:
             self.aux_hidden = torch.cat(aux, dim=-1)
         x, _ = self.norm(x, residual)
