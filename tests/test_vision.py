@@ -96,6 +96,21 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(vl_dir):
         assert llm.engine.runner.encoder_cache.encoder_runs == 2  # (the image again: from the encoder cache)
 
 
+def test_palette_images_are_told_apart(vl_dir):
+    """Two palette images of the same indices and different colours are two images (the hash is of the pixels)."""
+    from PIL import Image
+
+    indices = Image.new("P", (56, 56))
+    red, blue = indices.copy(), indices.copy()
+    red.putpalette([255, 0, 0] * 256)
+    blue.putpalette([0, 0, 255] * 256)
+    with LLM(model=str(vl_dir), dtype="float32", block_size=16) as llm:
+        prompt = _prompt(llm.get_tokenizer(), 1, "Which colour?")
+        for image in (red, blue):
+            llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, SamplingParams(max_tokens=1))
+        assert llm.engine.runner.encoder_cache.encoder_runs == 2
+
+
 def test_bad_images_and_placeholders_fail_at_admission(vl_dir):
     """Each refusal names what is wrong, and the engine serves the next request."""
     image = random_image(28, 28, 5)
@@ -131,3 +146,9 @@ def test_two_ranks_equal_one(vl_dir):
             prompt = _prompt(llm.get_tokenizer(), 1, "Describe it.")
             outputs.append(_greedy(llm, [{"prompt": prompt, "multi_modal_data": {"image": image}}])[0])
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+
+
+def test_a_draft_head_is_refused_for_a_vision_language_model(vl_dir):
+    """MTP and EAGLE heads rotate by plain positions: refused at load, naming what drafts instead."""
+    with pytest.raises(Exception, match="not served for a vision-language model"):
+        LLM(model=str(vl_dir), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})

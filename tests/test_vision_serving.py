@@ -98,8 +98,9 @@ def test_images_the_gateway_refuses_name_their_part(vl_gateway, media_dir, tmp_p
     outside = tmp_path / "elsewhere.png"
     outside.write_bytes((media_dir / "picture.png").read_bytes())
     png = (media_dir / "picture.png").read_bytes()
-    huge = io.BytesIO()
+    huge, bomb = io.BytesIO(), io.BytesIO()
     random_image(8, 8, 2).convert("1").resize((9000, 9000)).save(huge, format="PNG")  # (81 M pixels, a few KB)
+    random_image(8, 8, 2).convert("1").resize((20000, 20000)).save(bomb, format="PNG")  # (PIL's bomb limit)
     refusals = {
         outside.as_uri(): "not under --allowed-local-media-path",
         "https://elsewhere.example/cat.png": "allowed-media-domains",
@@ -107,6 +108,7 @@ def test_images_the_gateway_refuses_name_their_part(vl_gateway, media_dir, tmp_p
         _data_url(b"plain text, no image"): "not an image",
         _data_url(png[: len(png) // 2]): "cannot be decoded",
         _data_url(huge.getvalue()): "at most",
+        _data_url(bomb.getvalue()): "cannot be read",
         "data:image/png;base64,@@@": "not valid base64",
     }
     for url, why in refusals.items():
@@ -117,6 +119,13 @@ def test_images_the_gateway_refuses_name_their_part(vl_gateway, media_dir, tmp_p
     # three images where the engine takes two: the engine's refusal, a 400 too
     response = _chat(vl_gateway, *[_data_url(png)] * 3)
     assert response.status_code == 400 and "At most 2 image(s)" in response.json()["error"]["message"]
+    # images each allowed, too many pixels together: refused from their headers, naming the one past the budget
+    large = io.BytesIO()
+    random_image(8, 8, 2).convert("1").resize((7000, 7000)).save(large, format="PNG")  # (49 M pixels)
+    response = _chat(vl_gateway, *[_data_url(large.getvalue())] * 3)
+    error = response.json()["error"]
+    assert response.status_code == 400 and "pixels together" in error["message"], error
+    assert error["param"] == "messages[0].content[2]"
     assert _chat(vl_gateway, _data_url(png)).json()["choices"][0]["message"]["content"] == expected[0]
 
 

@@ -10,7 +10,7 @@ import time
 import uuid
 
 from ui.images import within_budget
-from ui.messages import as_openai, text_of
+from ui.messages import as_openai, is_shown_only, text_of
 
 # the side panel's fields, in the order build_app lays them out
 SETTINGS = ("system", "temperature", "top_p", "max_tokens", "seed", "json_mode", "schema", "tools", "tool_choice",
@@ -33,8 +33,8 @@ def title(conversation: dict | None) -> str:
         return UNTITLED
     if conversation.get("title"):
         return conversation["title"]
-    first = next((text for m in conversation["messages"] if m["role"] == "user" and (text := text_of(m["content"]))),
-                 "")
+    first = next((text for m in conversation["messages"]
+                  if m["role"] == "user" and not is_shown_only(m) and (text := text_of(m["content"]))), "")
     words = " ".join(first.split())
     return (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or UNTITLED
 

@@ -21,6 +21,9 @@ MAX_SIDE = 768
 JPEG_QUALITY = 85
 STORED_IMAGE_CHARS = 3_000_000
 DROPPED = "🖼️ (picture not kept: the browser's storage holds only the latest conversations' pictures)"
+UNREADABLE = "🖼️ (a picture the browser's storage held could not be read)"
+JPEG_URL = "data:image/jpeg;base64,"
+MAX_STORED_CHARS = 4 * 1024 * 1024  # (a picture the UI made is far smaller)
 # the files the chatbot shows the pictures from (written again from the data URL after a restart of the UI)
 SHOWN = Path(tempfile.gettempdir()) / "npu-llm-ui-images"
 
@@ -41,13 +44,19 @@ def attached(path: str) -> dict:
     picture.thumbnail((MAX_SIDE, MAX_SIDE))
     buffer = io.BytesIO()
     picture.save(buffer, format="JPEG", quality=JPEG_QUALITY)
-    return shown({"role": "user", "content": "", "image": "data:image/jpeg;base64," + base64.b64encode(
-        buffer.getvalue()).decode()})
+    return shown({"role": "user", "content": "", "image": JPEG_URL + base64.b64encode(buffer.getvalue()).decode()})
 
 
 def shown(message: dict) -> dict:
-    """A picture's message with its file in place for the chatbot (written from its data URL when missing)."""
-    data = base64.b64decode(message["image"].partition(",")[2])
+    """A picture's message with its file in place for the chatbot (written from its data URL when missing); one the
+    UI did not make (the browser's storage is the browser's to change) becomes a note."""
+    image = message["image"]
+    try:
+        if not isinstance(image, str) or not image.startswith(JPEG_URL) or len(image) > MAX_STORED_CHARS:
+            raise ValueError
+        data = base64.b64decode(image[len(JPEG_URL):], validate=True)
+    except ValueError:
+        return {"role": "user", "content": UNREADABLE, "metadata": {"log": "note"}}
     path = SHOWN / f"{hashlib.sha256(data).hexdigest()[:32]}.jpg"
     if not path.is_file():
         SHOWN.mkdir(parents=True, exist_ok=True)
@@ -67,7 +76,8 @@ def within_budget(store: dict) -> dict:
     """The store with its pictures under STORED_IMAGE_CHARS: the newest conversations' kept, older ones' dropped."""
     total = 0
     for conversation in sorted(store["conversations"], key=lambda c: c["updated"], reverse=True):
-        for i, message in enumerate(conversation["messages"]):
+        for i in reversed(range(len(conversation["messages"]))):  # (the latest pictures first)
+            message = conversation["messages"][i]
             if is_image(message):
                 total += len(message["image"])
                 if total > STORED_IMAGE_CHARS:

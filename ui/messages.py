@@ -48,6 +48,9 @@ def as_openai(history: list[dict], system: str) -> list[dict]:
             messages.append({"role": "user", "content": pictures + [{"type": "text", "text": text_of(m["content"])}]})
             pictures = []
         else:
+            if pictures:  # (a turn of pictures alone)
+                messages.append({"role": "user", "content": pictures})
+                pictures = []
             messages.append({"role": m["role"], "content": text_of(m["content"])})
     return messages + ([{"role": "user", "content": pictures}] if pictures else [])
 
@@ -89,4 +92,6 @@ def before_reply(history: list[dict], index: int | None = None) -> list[dict]:
     end = len(history) if index is None else min(index + 1, len(history))
     while end and history[end - 1]["role"] != "user":
         end -= 1
+    while end < len(history) and "image" in history[end - 1] and history[end]["role"] == "user":
+        end += 1  # (a picture's turn goes on to the question sent with it)
     return list(history[:end])

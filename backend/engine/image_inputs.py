@@ -59,6 +59,7 @@ def text_positions(start: int, stop: int) -> np.ndarray:
 
 
 def image_hash(image) -> bytes:
+    """Of an RGB image (a palette image's indices alone would not tell two palettes apart)."""
     return hashlib.sha256(f"{image.mode}:{image.size}".encode() + image.tobytes()).digest()
 
 
@@ -88,7 +89,8 @@ class ImageProcessor:
                 raise ValueError(f"image {i}: expected a PIL image, got {type(image).__name__}")
         if not images:
             return ids, MultiModalInputs([], text_positions(0, len(ids)), 0)
-        processed = self.processor(images=[image.convert("RGB") for image in images], return_tensors="pt")
+        images = [image.convert("RGB") for image in images]
+        processed = self.processor(images=images, return_tensors="pt")
         grids = [tuple(int(n) for n in g) for g in processed["image_grid_thw"]]
         pixels = torch.split(processed["pixel_values"], [t * h * w for t, h, w in grids])
         out, items, last = [], [], 0

@@ -1,14 +1,14 @@
 """ModelRunner: owns the model and its KV tensors, turns scheduled chunks into one forward pass."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from backend.engine.decode_graphs import DecodeGraphs
 from backend.engine.encoder_cache import EncoderCache
-from backend.engine.image_inputs import MultiModalInputs, text_positions
+from backend.engine.image_inputs import ImageItem, text_positions
 from backend.engine.lora_manager import LoRAManager
 from backend.engine.lora_request import LoRARequest
 from backend.engine.outputs import Logprob
@@ -49,7 +49,10 @@ class SequenceChunk:
     prompt_scoring: PromptScoring | None = None  # the prompt logprobs it computes, if asked for
     num_drafts: int = 0  # draft tokens ending token_ids, to verify: the logits after each are wanted too
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
-    mm: MultiModalInputs | None = None  # its prompt's images and M-RoPE positions (vision-language models)
+    # a vision-language model's: the tokens' M-RoPE positions [3, tokens] (None: text's), and the prompt's images
+    # whose tokens the chunk holds (only those: under tensor parallel, chunks travel to every rank each step)
+    positions: np.ndarray | None = None
+    images: list[ImageItem] = field(default_factory=list)
 
 
 @dataclass
@@ -256,9 +259,7 @@ class ModelRunner:
         rows, embeddings, first_row = [], [], 0
         for chunk, n in zip(ordered, query_lens):
             start, stop = chunk.num_computed, chunk.num_computed + n
-            for image in chunk.mm.images if chunk.mm is not None else ():
-                if not image.overlaps(start, stop):
-                    continue
+            for image in chunk.images:
                 encoded = self.encoder_cache.get(image.hash, lambda: self.model.encode_image(image.pixel_values,
                                                                                              image.grid_thw))
                 first, last = max(start, image.offset), min(stop, image.offset + image.length)
@@ -278,7 +279,7 @@ class ModelRunner:
         input_ids = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
         spans = [(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered]
         if self.model.is_multimodal:
-            positions = np.concatenate([c.mm.positions_of(*span) if c.mm is not None else text_positions(*span)
+            positions = np.concatenate([c.positions if c.positions is not None else text_positions(*span)
                                         for c, span in zip(ordered, spans)], axis=1)
         else:
             positions = np.concatenate([np.arange(*span) for span in spans])

@@ -86,9 +86,14 @@ class StepRunner:
 
     def _chunk(self, s: ScheduledRequest) -> SequenceChunk:
         request, start = s.request, s.request.num_computed_tokens
-        return SequenceChunk(request.token_ids[start : start + s.num_new_tokens - s.num_drafts] + list(s.drafts),
-                             start, self.kv.block_ids(request), s.wants_logits, self._prompt_scoring(s), s.num_drafts,
-                             request.lora_request, request.mm_inputs)
+        chunk = SequenceChunk(request.token_ids[start : start + s.num_new_tokens - s.num_drafts] + list(s.drafts),
+                              start, self.kv.block_ids(request), s.wants_logits, self._prompt_scoring(s), s.num_drafts,
+                              request.lora_request)
+        if (mm := request.mm_inputs) is not None:  # (a vision-language model's: this chunk's share of its images)
+            stop = start + s.num_new_tokens
+            chunk.positions = mm.positions_of(start, stop)
+            chunk.images = [image for image in mm.images if image.overlaps(start, stop)]
+        return chunk
 
     @staticmethod
     def _prompt_scoring(s: ScheduledRequest) -> PromptScoring | None:

@@ -140,6 +140,13 @@ def _cmd_bench_kv_pool(args) -> int:
     return 0
 
 
+def _cmd_bench_vision(args) -> int:
+    from backend.entrypoints.bench.vision import run_vision_bench
+
+    run_vision_bench(args)
+    return 0
+
+
 def _cmd_bench_serving(args) -> int:
     if args.disaggregate:
         from backend.entrypoints.bench.disaggregated import run_disaggregated_bench
@@ -322,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--offload-gb", type=float, default=1.0, help="kv_offloading_size of the offload run")
     pool.add_argument("--instances", type=int, default=2, help="engines sharing the Mooncake Store (1: no store run)")
     pool.set_defaults(func=_cmd_bench_kv_pool)
+    vision = kinds.add_parser("vision", help="a vision-language model's chat request with a picture vs. without: TTFT "
+                                             "and output tokens/s")
+    EngineConfig.add_cli_args(vision)
+    vision.add_argument("--image-size", type=int, default=448, help="the pictures' side, in pixels")
+    vision.add_argument("--num-prompts", type=int, default=4, help="requests of each kind, interleaved")
+    vision.add_argument("--output-len", type=int, default=64, help="max_tokens (greedy, never stopping early)")
+    vision.set_defaults(func=_cmd_bench_vision)
     moe = kinds.add_parser("moe", help="one MoE layer's experts: the fused CPU kernel vs. the per-expert loop")
     moe.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     moe.add_argument("--experts", type=int, default=64)

@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from backend.gateway.errors import ApiError
 from backend.gateway.protocol import ChatMessage, ImageUrlPart
-from backend.triton.media import data_url_bytes, decode_image
+from backend.triton.media import ImageError, data_url_bytes, decode_images
 
 # vLLM's VLLM_IMAGE_FETCH_TIMEOUT (seconds), read the same way
 FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"
@@ -53,15 +53,13 @@ class MediaLoader:
         if parts and not self.takes_images:
             raise ApiError(400, "this model takes text only: send the conversation without image_url parts",
                            param=parts[0][0])
-        return [await self._image(part.image_url.url, where) for where, part in parts]
-
-    async def _image(self, url: str, where: str) -> str:
+        wheres = [where for where, _ in parts]
         try:
-            data = await self._bytes(url, where)
-            await asyncio.to_thread(decode_image, data, where)
-        except ValueError as e:
-            raise ApiError(400, str(e), param=where) from None
-        return base64.b64encode(data).decode()
+            encoded = [await self._bytes(part.image_url.url, where) for where, part in parts]
+            await asyncio.to_thread(decode_images, encoded, wheres)  # (each must decode; Triton decodes its own)
+        except ImageError as e:
+            raise ApiError(400, str(e), param=e.where) from None
+        return [base64.b64encode(data).decode() for data in encoded]
 
     async def _bytes(self, url: str, where: str) -> bytes:
         scheme = urlparse(url).scheme.lower()
@@ -71,39 +69,41 @@ class MediaLoader:
             return await asyncio.to_thread(self._local_file, url, where)
         if scheme in ("http", "https"):
             return await self._fetch(url, where)
-        raise ValueError(f"{where}: the image URL must be a data:, file:// or http(s):// URL")
+        raise ImageError(where, "the image URL must be a data:, file:// or http(s):// URL")
 
     def _local_file(self, url: str, where: str) -> bytes:
         if self.allowed_local_media_path is None:
-            raise ValueError(f"{where}: file:// images need the gateway's --allowed-local-media-path")
-        path = Path(unquote(urlparse(url).path)).resolve()
+            raise ImageError(where, "file:// images need the gateway's --allowed-local-media-path")
+        named = unquote(urlparse(url).path)
+        path = Path(named).resolve()  # (links and .. resolved before the check; the message names what was asked)
         if Path(self.allowed_local_media_path) not in path.parents:
-            raise ValueError(f"{where}: {path} is not under --allowed-local-media-path {self.allowed_local_media_path}")
+            raise ImageError(where, f"{named} is not under --allowed-local-media-path")
         if not path.is_file():
-            raise ValueError(f"{where}: no file {path}")
+            raise ImageError(where, f"no file {named}")
         if path.stat().st_size > self.max_image_bytes:
-            raise ValueError(f"{where}: {path} is larger than {self.max_image_bytes} bytes")
+            raise ImageError(where, f"{named} is larger than {self.max_image_bytes} bytes")
         return path.read_bytes()
 
     async def _fetch(self, url: str, where: str) -> bytes:
         import httpx
 
-        host = urlparse(url).hostname or ""
-        if host not in self.allowed_media_domains:
-            raise ValueError(f"{where}: images from {host or url!r} are not fetched: the gateway fetches http(s) images "
-                             "only from the hosts of its --allowed-media-domains")
+        host = (urlparse(url).hostname or "").lower()  # (the host alone, as vLLM matches it: any port)
+        if host not in {domain.lower() for domain in self.allowed_media_domains}:
+            raise ImageError(where, f"images from {host or url!r} are not fetched: the gateway fetches http(s) images "
+                                    "only from the hosts of its --allowed-media-domains")
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
+            async with asyncio.timeout(self.timeout_s), \
+                    httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
                 async with client.stream("GET", url) as response:
                     if response.status_code != 200:
-                        raise ValueError(f"{where}: fetching {url} answered HTTP {response.status_code}")
+                        raise ImageError(where, f"fetching {url} answered HTTP {response.status_code}")
                     data = bytearray()
                     async for chunk in response.aiter_bytes():
                         data += chunk
                         if len(data) > self.max_image_bytes:
-                            raise ValueError(f"{where}: {url} is larger than {self.max_image_bytes} bytes")
+                            raise ImageError(where, f"{url} is larger than {self.max_image_bytes} bytes")
                     return bytes(data)
-        except httpx.TimeoutException:
-            raise ValueError(f"{where}: fetching {url} took longer than {self.timeout_s} s") from None
+        except (TimeoutError, httpx.TimeoutException):  # (the whole fetch, not each read, within the timeout)
+            raise ImageError(where, f"fetching {url} took longer than {self.timeout_s} s") from None
         except httpx.HTTPError as e:
-            raise ValueError(f"{where}: fetching {url} failed ({e})") from None
+            raise ImageError(where, f"fetching {url} failed ({e})") from None

@@ -130,6 +130,9 @@ def load_model(
     try:
         with torch.device("meta"):
             module = model_class(config)(config, ops, tp, expert_parallel)
+            if module.is_multimodal and (mtp or head is not None):
+                raise ValueError("a draft head (MTP, EAGLE) is not served for a vision-language model (its positions "
+                                 "are M-RoPE's); n-gram or a draft model drafts for it")
             if mtp:
                 attach_mtp(module)
     except ValueError as e:
@@ -229,8 +232,10 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpo
                         continue
                     if key.endswith(PACKED_SHAPE):  # (weight_packed's own shape, checked as it loads, says it)
                         continue
-                    if ".gate_up_proj." in key and module.tp.size > 1:  # (GLM-4 stores gate and up as one)
-                        for half, tensor in zip((".gate_proj.", ".up_proj."), f.get_tensor(stored).chunk(2)):
+                    if ".gate_up_proj." in key:  # (GLM-4 stores gate and up as one: loaded as the two they are)
+                        whole = f.get_tensor(stored)
+                        halves = (whole, whole) if key.endswith(PER_TENSOR) else whole.chunk(2)
+                        for half, tensor in zip((".gate_proj.", ".up_proj."), halves):
                             part = key.replace(".gate_up_proj.", half)
                             _load_tensor(module, params, unfilled, part, _shard_of(tensor, module, part), path)
                         continue

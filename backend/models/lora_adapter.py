@@ -130,11 +130,14 @@ def _submodule(model, name: str):
 
 
 def checkpoint_shape(config, projection: str) -> tuple[int, int]:
-    """(out, in) of the base model's checkpoint weight of a projection."""
+    """(out, in) of the base model's checkpoint weight of a projection (ValueError: one adapters cannot target)."""
     hidden, head_dim, inter = config.hidden_size, head_dim_of(config), config.intermediate_size
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}[projection]
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    if projection not in shapes:
+        raise ValueError(f"LoRA adapters on {projection} are not served (targets: {', '.join(shapes)})")
+    return shapes[projection]
 
 
 def _checked_and_sharded(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, path: Path):
@@ -144,6 +147,7 @@ def _checked_and_sharded(model, module: str, a: torch.Tensor, b: torch.Tensor, r
         if tuple(tensor.shape) != expected:
             raise ValueError(f"LoRA adapter {path}: {module}.lora_{side} has shape {tuple(tensor.shape)}, this "
                              f"model needs {expected} (an adapter trained for another base model?)")
+    b = model.as_our_rows(f"{module}.weight", b)  # (GLM-4's q and k rows, reordered as the base weight's)
     shard = model.checkpoint_shard(f"{module}.weight")
     if shard is not None:
         dim, start, length = shard

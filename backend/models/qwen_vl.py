@@ -33,6 +33,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from backend.distributed import SINGLE, TensorParallel
+from backend.models.layers import Linear
 from backend.models.llama import LlamaForCausalLM
 from npu_llm_kernels import AttentionMetadata, torch_ref
 
@@ -49,11 +50,11 @@ class VisionRMSNorm(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int):
+    def __init__(self, hidden: int, num_heads: int, ops: ModuleType):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
+        self.qkv = Linear(hidden, 3 * hidden, True, ops)
+        self.proj = Linear(hidden, hidden, True, ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         q, k, v = self.qkv(x).reshape(len(x), 3, self.num_heads, self.head_dim).unbind(1)
@@ -74,11 +75,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, ops: ModuleType):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate)
-        self.up_proj = nn.Linear(hidden, intermediate)
-        self.down_proj = nn.Linear(intermediate, hidden)
+        self.gate_proj = Linear(hidden, intermediate, True, ops)
+        self.up_proj = Linear(hidden, intermediate, True, ops)
+        self.down_proj = Linear(intermediate, hidden, True, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -90,25 +91,26 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
 class PlainVisionMLP(nn.Module):
     """Qwen3-VL's: fc1, the activation, fc2."""
 
-    def __init__(self, config):
+    def __init__(self, config, ops: ModuleType):
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[config.hidden_act]
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.linear_fc1 = Linear(config.hidden_size, config.intermediate_size, True, ops)
+        self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, True, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config, qwen3: bool = False):
+    def __init__(self, config, ops: ModuleType, qwen3: bool = False):
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=VISION_EPS) if qwen3 else VisionRMSNorm(config.hidden_size)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=VISION_EPS) if qwen3 else VisionRMSNorm(config.hidden_size)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = PlainVisionMLP(config) if qwen3 else VisionMLP(config.hidden_size, config.intermediate_size)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads, ops)
+        self.mlp = PlainVisionMLP(config, ops) if qwen3 else \
+            VisionMLP(config.hidden_size, config.intermediate_size, ops)
 
     def forward(self, x, cos, sin, cu_seqlens):
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
@@ -127,11 +129,12 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ops: ModuleType):
         super().__init__()
         merged = config.hidden_size * config.spatial_merge_size**2
         self.ln_q = VisionRMSNorm(config.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, config.out_hidden_size))
+        self.mlp = nn.Sequential(Linear(merged, merged, True, ops), nn.GELU(),
+                                 Linear(merged, config.out_hidden_size, True, ops))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).reshape(-1, self.mlp[0].in_features))
@@ -141,13 +144,13 @@ class Qwen3PatchMerger(nn.Module):
     """Qwen3-VL's merger: LayerNorm over each patch (after_shuffle: over each 2x2 group, as DeepStack's), fc1, GELU,
     fc2."""
 
-    def __init__(self, config, after_shuffle: bool = False):
+    def __init__(self, config, ops: ModuleType, after_shuffle: bool = False):
         super().__init__()
         merged = config.hidden_size * config.spatial_merge_size**2
         self.after_shuffle = after_shuffle
         self.norm = nn.LayerNorm(merged if after_shuffle else config.hidden_size, eps=VISION_EPS)
-        self.linear_fc1 = nn.Linear(merged, merged)
-        self.linear_fc2 = nn.Linear(merged, config.out_hidden_size)
+        self.linear_fc1 = Linear(merged, merged, True, ops)
+        self.linear_fc2 = Linear(merged, config.out_hidden_size, True, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         merged = self.linear_fc1.in_features
@@ -176,14 +179,14 @@ class VisionTransformer(nn.Module):
     """Qwen2.5-VL's vision tower: one image's patches [patches, C*T*P*P] and grid (t, h, w) -> its token
     embeddings [t*h*w / merge^2, out_hidden_size]."""
 
-    def __init__(self, config):
+    def __init__(self, config, ops: ModuleType):
         super().__init__()
         self.merge = config.spatial_merge_size
         self.window_patches = config.window_size // self.merge // config.patch_size  # a window's side, merged
         self.full_attention = set(config.fullatt_block_indexes)
         self.patch_embed = PatchEmbed(config)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = PatchMerger(config)
+        self.blocks = nn.ModuleList(VisionBlock(config, ops) for _ in range(config.depth))
+        self.merger = PatchMerger(config, ops)
         self.head_dim = config.hidden_size // config.num_heads
         self.rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
 
@@ -221,16 +224,16 @@ class Qwen3VisionTransformer(nn.Module):
     """Qwen3-VL's vision tower: one image's patches and grid -> its token embeddings [tokens, out_hidden_size], and
     DeepStack's beside them: [tokens, out_hidden_size * (1 + len(deepstack_visual_indexes))]."""
 
-    def __init__(self, config):
+    def __init__(self, config, ops: ModuleType):
         super().__init__()
         self.merge = config.spatial_merge_size
         self.patch_embed = PatchEmbed(config, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.side = int(config.num_position_embeddings**0.5)  # the learned positions' square grid
-        self.blocks = nn.ModuleList(VisionBlock(config, qwen3=True) for _ in range(config.depth))
-        self.merger = Qwen3PatchMerger(config)
+        self.blocks = nn.ModuleList(VisionBlock(config, ops, qwen3=True) for _ in range(config.depth))
+        self.merger = Qwen3PatchMerger(config, ops)
         self.deepstack_indexes = list(config.deepstack_visual_indexes)
-        self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(config, after_shuffle=True)
+        self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(config, ops, after_shuffle=True)
                                                    for _ in self.deepstack_indexes)
         self.head_dim = config.hidden_size // config.num_heads
         self.rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -275,7 +278,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         super().__init__(config, ops, tp, expert_parallel)
         qwen3 = config.model_type == "qwen3_vl_text"
         vision = config.vision_language.vision_config
-        self.visual = Qwen3VisionTransformer(vision) if qwen3 else VisionTransformer(vision)
+        self.visual = (Qwen3VisionTransformer if qwen3 else VisionTransformer)(vision, ops)
         self.num_deepstack = len(vision.deepstack_visual_indexes) if qwen3 else 0
         section = list(config.rope_parameters["mrope_section"])
         if 2 * sum(section) != self.model.layers[0].self_attn.rotary_dim:

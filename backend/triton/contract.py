@@ -16,7 +16,7 @@ from backend.config.json_object import json_object
 from backend.engine.outputs import RequestOutput
 
 from backend.engine.sampling_params import SamplingParams
-from backend.triton.media import decode_base64_image
+from backend.triton.media import base64_bytes, decode_images
 
 # Prefix of the error message of a request rejected for its content (a client error, HTTP 400 at the gateway).
 # vllm_backend's own prefix for a request's errors, so that its clients read ours the same way.
@@ -156,9 +156,9 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict) -> Par
         raise ValueError(f"text_input is not valid UTF-8: {e}") from None
     ids = inputs.get("prompt_token_ids")
     prompt_token_ids = None if ids is None else [int(t) for t in ids.reshape(-1)]
-    encoded = inputs.get("image")
-    images = [] if encoded is None else [decode_base64_image(data, f"image[{i}]")
-                                          for i, data in enumerate(encoded.reshape(-1))]
+    encoded = [] if inputs.get("image") is None else list(inputs["image"].reshape(-1))
+    wheres = [f"image[{i}]" for i in range(len(encoded))]
+    images = decode_images([base64_bytes(data, where) for data, where in zip(encoded, wheres)], wheres)
 
     # Sampling parameters come as a JSON string input, or (generate endpoint) as request parameters: one or the
     # other, as vllm_backend reads them, never merged.

@@ -1,51 +1,79 @@
 """Images as they arrive (bytes, base64 text, data: URLs) checked and decoded into PIL images: the one place where
-a client's bytes become pixels, for the gateway and for Triton's `image` input alike. A bad image is a ValueError
-naming where it came from; nothing here imports torch."""
+a client's bytes become pixels, for the gateway and for Triton's `image` input alike. A bad image is an ImageError
+(a ValueError) naming where it came from; nothing here imports torch.
+
+What one request may cost is bounded before anything is decoded, from the images' headers: at most
+MAX_IMAGE_PIXELS an image, MAX_REQUEST_PIXELS all of a request's together (a few KB of PNG can declare a picture of
+billions of pixels; the vision models resize every image to far fewer anyway)."""
 from __future__ import annotations
 
 import base64
 import binascii
 import io
 
-# Images with more pixels than this are refused before they are decoded (PIL's own decompression-bomb limit is
-# about 89 million; the vision models resize every image to far fewer pixels anyway).
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+MAX_REQUEST_PIXELS = 2 * MAX_IMAGE_PIXELS
 
 
-def decode_image(data: bytes, where: str):
-    """A PIL image in RGB of encoded image bytes (PNG, JPEG, WebP, GIF's first frame, ...), or a ValueError naming
-    `where` and what is wrong: not an image, truncated, or too many pixels."""
+class ImageError(ValueError):
+    def __init__(self, where: str, why: str):
+        super().__init__(f"{where}: {why}")
+        self.where = where
+
+
+def decode_images(encoded: list[bytes], wheres: list[str]) -> list:
+    """PIL images in RGB of encoded image bytes (PNG, JPEG, WebP, GIF's first frame, ...), each named by its `where`;
+    an ImageError for the first that is not an image, is truncated, or has too many pixels, alone or with the rest."""
+    opened = [_opened(data, where) for data, where in zip(encoded, wheres)]
+    total = sum(image.size[0] * image.size[1] for image in opened)
+    if total > MAX_REQUEST_PIXELS:
+        raise ImageError(wheres[-1], f"the request's images hold {total} pixels together; at most {MAX_REQUEST_PIXELS}")
+    return [_decoded(image, where) for image, where in zip(opened, wheres)]
+
+
+def _opened(data: bytes, where: str):
+    """The image's header read (no pixels decoded yet), its size checked."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise ValueError(f"{where}: not an image (its {len(data)} bytes are no format PIL reads)") from None
+        raise ImageError(where, f"not an image (its {len(data)} bytes are no format PIL reads)") from None
+    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:  # (a header PIL refuses)
+        raise ImageError(where, f"the image cannot be read ({e})") from None
     width, height = image.size
     if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
-        raise ValueError(f"{where}: an image of {width} x {height} pixels; at most {MAX_IMAGE_PIXELS} pixels")
+        raise ImageError(where, f"an image of {width} x {height} pixels; at most {MAX_IMAGE_PIXELS} pixels")
+    return image
+
+
+def _decoded(image, where: str):
+    from PIL import Image
+
     try:
         image.load()  # (the header alone was read: a truncated or corrupt body fails here)
         return image.convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"{where}: the image cannot be decoded ({e})") from None
+        raise ImageError(where, f"the image cannot be decoded ({e})") from None
 
 
-def decode_base64_image(text: str | bytes, where: str):
-    """A base64-encoded image (Triton's `image` input, vllm_backend's contract), decoded."""
+def base64_bytes(text: str | bytes, where: str) -> bytes:
+    """Base64 text's bytes (line breaks and spaces allowed, as vllm_backend's decoding allows them)."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii", errors="replace")
     try:
-        data = base64.b64decode(text, validate=True)
+        return base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError(f"{where}: not valid base64") from None
-    return decode_image(data, where)
+        raise ImageError(where, "not valid base64") from None
 
 
 def data_url_bytes(url: str, where: str) -> bytes:
     """The bytes a `data:image/...;base64,...` URL carries."""
     header, comma, payload = url.partition(",")
+    header = header.lower()
     if not comma or not header.startswith("data:image/") or not header.endswith(";base64"):
-        raise ValueError(f"{where}: a data URL must be data:image/<format>;base64,<data>")
+        raise ImageError(where, "a data URL must be data:image/<format>;base64,<data>")
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{where}: the data URL's payload is not valid base64") from None
+        return base64_bytes(payload, where)
+    except ImageError:
+        raise ImageError(where, "the data URL's payload is not valid base64") from None

@@ -193,7 +193,9 @@ class TritonPythonModel:
             for spec in INPUTS:
                 tensor = pb_utils.get_input_tensor_by_name(request, spec["name"])
                 inputs[spec["name"]] = None if tensor is None else tensor.as_numpy()
-            parsed = parse_request(inputs, parameters)
+            # (images are decoded on a thread: this loop streams every other request meanwhile)
+            parsed = parse_request(inputs, parameters) if inputs.get("image") is None else \
+                await asyncio.to_thread(parse_request, inputs, parameters)
             lora = self.loras.resolve(parsed.lora_name)
         except LoRARefused as e:  # (vllm_backend's texts, as its response carries them)
             self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG, UNSUPPORTED_LORA)
