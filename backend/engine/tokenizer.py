@@ -5,13 +5,18 @@ import json
 from pathlib import Path
 
 from backend.models.registry import resolve_model
+from backend.models.remote_code import is_qwen_v1_folder, qwen_v1_tokenizer
 
 
 def load_tokenizer(name_or_path: str | Path):
-    """The tokenizer of a folder, a .gguf file or the default model's name (as --tokenizer takes them)."""
+    """The tokenizer of a folder, a .gguf file or the default model's name (as --tokenizer takes them); a Qwen (v1)
+    folder's tiktoken vocabulary, converted (backend/models/remote_code.py)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path)))
+    path = resolve_model(name_or_path)
+    if is_qwen_v1_folder(path):
+        return qwen_v1_tokenizer(path)
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def load_template_tokenizer(name_or_path: str | Path):
@@ -20,7 +25,7 @@ def load_template_tokenizer(name_or_path: str | Path):
     tokenizer.json still gets it."""
     path = resolve_model(name_or_path)
     if not (path / "tokenizer.json").is_file():
-        return load_tokenizer(path)
+        return load_tokenizer(path)  # (a Qwen v1 folder's converted tiktoken vocabulary, too)
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path))

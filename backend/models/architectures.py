@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "GlmForCausalLM",
-         "Glm4ForCausalLM")
+         "Glm4ForCausalLM", "QWenLMHeadModel")  # (the last: Qwen v1, read as Qwen2: backend/models/remote_code.py)
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 LATENT_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # (and their experts)
 VISION_LANGUAGE = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")  # (models/qwen_vl.py)

@@ -17,6 +17,7 @@ from backend.models.moe import EXPERT_TENSOR, FusedMoE, Router
 from backend.models.eagle import Eagle3Head, EagleHead, HeadCheckpoint
 from backend.models.mtp import MultiTokenPredictor, attach_mtp
 from backend.models.qwen_vl import Qwen2_5_VLForConditionalGeneration
+from backend.models.remote_code import qwen_v1_key, remote_code_config
 from backend.models.quantization import (
     PACKED_SHAPE, SYMMETRIC_ZERO_POINTS, CompressedTensors, ModelSlim, UnsupportedQuantization, as_loaded,
     check_scales, fold_modelslim, folded_into_quant_bias, quantization_of, quantize_layers, unpack_weights,
@@ -37,12 +38,14 @@ class ModelLoadError(RuntimeError):
 def load_config(model_dir: Path):
     from transformers import AutoConfig
 
-    if not (model_dir / "config.json").is_file():
+    path = model_dir / "config.json"
+    if not path.is_file():
         raise ModelLoadError(f"{model_dir}: no config.json (not a Hugging Face model folder)")
     try:
-        config = AutoConfig.from_pretrained(str(model_dir))
+        # a checkpoint published with remote code, read as the architecture it is (backend/models/remote_code.py)
+        config = remote_code_config(json.loads(path.read_text()), model_dir) or AutoConfig.from_pretrained(str(model_dir))
     except (ValueError, KeyError, OSError) as e:
-        raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
+        raise ModelLoadError(f"{path}: {e}") from e
     architectures = getattr(config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         raise ModelLoadError(
@@ -232,11 +235,8 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpo
                         continue
                     if key.endswith(PACKED_SHAPE):  # (weight_packed's own shape, checked as it loads, says it)
                         continue
-                    if ".gate_up_proj." in key:  # (GLM-4 stores gate and up as one: loaded as the two they are)
-                        whole = f.get_tensor(stored)
-                        halves = (whole, whole) if key.endswith(PER_TENSOR) else whole.chunk(2)
-                        for half, tensor in zip((".gate_proj.", ".up_proj."), halves):
-                            part = key.replace(".gate_up_proj.", half)
+                    if fused := next((name for name in FUSED_IN_CHECKPOINT if name in key), None):
+                        for part, tensor in _fused_parts(module, key, fused, f.get_tensor(stored)):
                             _load_tensor(module, params, unfilled, part, _shard_of(tensor, module, part), path)
                         continue
                     shard = None if key.endswith(PER_TENSOR) else module.checkpoint_shard(key)
@@ -256,9 +256,10 @@ def _load_weights(module: LlamaForCausalLM, files: list[Path], head: HeadCheckpo
 
 
 def _our_key(stored: str) -> str:
-    """A checkpoint tensor's name in our modules: Mixtral's MoE block is our mlp; a vision-language checkpoint saved by
-    transformers 4.52 and later nests the decoder (model.language_model.) and the tower (model.visual.)."""
-    key = stored.replace(".block_sparse_moe.", ".mlp.")
+    """A checkpoint tensor's name in our modules: Qwen v1's (backend/models/remote_code.py); Mixtral's MoE block is our
+    mlp; a vision-language checkpoint saved by transformers 4.52 and later nests the decoder (model.language_model.)
+    and the tower (model.visual.)."""
+    key = qwen_v1_key(stored).replace(".block_sparse_moe.", ".mlp.")
     if key.startswith("model.language_model."):
         return "model." + key.removeprefix("model.language_model.")
     return key.removeprefix("model.") if key.startswith("model.visual.") else key
@@ -344,6 +345,23 @@ def _read(f, key: str, shard: tuple[int, int, int] | None, ranks: int, path: Pat
         raise ModelLoadError(f"{path}: tensor {key!r} holds {columns} columns for {features} input features, which "
                              f"do not split into {ranks} ranks' shares of {length}")
     return part[:, start // per_column:(start + length) // per_column]
+
+
+# Layers some checkpoints store fused (GLM-4's gate_up_proj, Qwen v1's c_attn): loaded as the parts they are, so that
+# each part takes the path (shards, row order) the unfused checkpoints' do.
+FUSED_IN_CHECKPOINT = {".gate_up_proj.": (".gate_proj.", ".up_proj."), ".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj.")}
+
+
+def _fused_parts(module: LlamaForCausalLM, key: str, fused: str, whole: torch.Tensor):
+    """(the part's key, its tensor) of a fused checkpoint tensor; a per-tensor value is every part's."""
+    names = FUSED_IN_CHECKPOINT[fused]
+    if key.endswith(PER_TENSOR):
+        return [(key.replace(fused, name), whole) for name in names]
+    config = module.config
+    head_dim = module.model.layers[0].self_attn.head_dim
+    sizes = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2 \
+        if fused == ".qkv_proj." else [len(whole) // 2] * 2
+    return [(key.replace(fused, name), part) for name, part in zip(names, whole.split(sizes))]
 
 
 def _shard_of(tensor: torch.Tensor, module: LlamaForCausalLM, key: str) -> torch.Tensor:
