@@ -23,6 +23,7 @@ from npu_llm_kernels import torch_ref
 from npu_llm_kernels.timing import scope
 from npu_llm_kernels.torch_ref import pack_w8a16_weight  # noqa: F401  (W8A16's int8 weights stay [N, K])
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
+from npu_llm_kernels.torch_ref import vision_attention, vision_rotary  # noqa: F401  (vision towers: torch's SDPA)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features
 from npu_llm_kernels.metadata import AttentionMetadata
 from npu_llm_kernels.mla import PortableMLA as MLA  # noqa: F401  (latent attention, composed of the ops below)

@@ -25,5 +25,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     rotary_embedding,
     select_experts,
     silu_and_mul,
+    vision_attention,
+    vision_rotary,
     w8a16_linear,
 )

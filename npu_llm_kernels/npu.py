@@ -55,6 +55,38 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return y, summed
 
 
+# -- vision towers (Qwen2.5-VL, Qwen3-VL) ---------------------------------------------------------------------------
+# The fused attention's TND layout takes heads of 128 or 192 (op-plugin's doc): narrower vision heads (Qwen2.5-VL's 80)
+# are padded with zeros, which change no score, and the output cut back (as vllm-ascend pads them, in its weights).
+TND_HEAD_DIMS = (128, 192)
+
+
+def vision_rotary(x, cos, sin):
+    # OP: npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode="half") -> Tensor: self * r1 +
+    #   rotate_half(self) * r2, r1 / r2 broadcast over [B, S, N, D]; as vllm-ascend rotates its vision q and k
+    rotated = torch_npu.npu_rotary_mul(x[None], cos[None, :, None].to(x.dtype), sin[None, :, None].to(x.dtype))
+    return rotated[0]
+
+
+def vision_attention(query, key, value, cu_seqlens: list[int], scale: float):
+    # OP: npu_fused_infer_attention_score(query, key, value, *, actual_seq_lengths, actual_seq_lengths_kv, num_heads,
+    #   scale, input_layout, num_key_value_heads, sparse_mode, ...) -> (out, lse): TND with the segments' cumulative
+    #   ends on the host, sparse_mode 0 without a mask (full attention in each window or frame), bfloat16 only
+    dim = query.shape[-1]
+    padded = next((d for d in TND_HEAD_DIMS if d >= dim), None)
+    if padded is None:
+        raise ValueError(f"vision heads of {dim} are wider than the NPU's fused attention takes ({TND_HEAD_DIMS})")
+    q, k, v = (torch.nn.functional.pad(t, (0, padded - dim)).to(torch.bfloat16).contiguous()
+               for t in (query, key, value))
+    ends = cu_seqlens[1:]
+    with scope("attention.vision"):
+        out, _ = torch_npu.npu_fused_infer_attention_score(
+            q, k, v, actual_seq_lengths=ends, actual_seq_lengths_kv=ends, num_heads=query.shape[1],
+            num_key_value_heads=query.shape[1], input_layout="TND", sparse_mode=0, scale=scale,
+            antiquant_mode=0, antiquant_scale=None, block_table=None, block_size=0, softmax_lse_flag=False)
+    return out[..., :dim].to(query.dtype)
+
+
 def rotary_embedding(positions, query, key, cos_sin_cache):
     # RopeAtb.cpp: _npu_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size,
     #                                    Tensor cos_sin_cache, bool is_neox_style) -> (); q/k contiguous [T, N*D],

@@ -260,6 +260,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# -- vision towers (Qwen2.5-VL, Qwen3-VL: backend/models/qwen_vl.py) ---------------------------------------------
+
+
+def vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary of x [patches, heads, head_dim] by each patch's own cos / sin [patches, head_dim] (a row's
+    and a column's frequencies, doubled), in fp32 as transformers computes it, back in x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]).to(x.dtype)
+
+
+def vision_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: list[int],
+                     scale: float) -> torch.Tensor:
+    """Full (not causal) attention within each segment of [patches, heads, head_dim] tensors: the segments are the
+    windows or frames that cu_seqlens bounds (cumulative, from 0)."""
+    out = torch.empty_like(query)
+    for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        out[start:stop] = F.scaled_dot_product_attention(
+            query[start:stop].transpose(0, 1), key[start:stop].transpose(0, 1), value[start:stop].transpose(0, 1),
+            scale=scale).transpose(0, 1)
+    return out
+
+
 # -- mixture of experts ------------------------------------------------------------------------------------------
 # Two ops, the same on every platform: the router's choice (select_experts), then the experts' work on the
 # tokens sorted by expert, weighted and summed back per token (fused_experts). Expert weights are stacked:

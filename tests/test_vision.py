@@ -152,3 +152,46 @@ def test_a_draft_head_is_refused_for_a_vision_language_model(vl_dir):
     """MTP and EAGLE heads rotate by plain positions: refused at load, naming what drafts instead."""
     with pytest.raises(Exception, match="not served for a vision-language model"):
         LLM(model=str(vl_dir), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_vision_tower_on_the_npu_equals_the_cpu_path(fake_npu, arch, tmp_path, default_model_dir):
+    """On the (fake) NPU the tower rotates with npu_rotary_mul and attends with npu_fused_infer_attention_score in
+    TND layout (sparse_mode 0, heads of 16 padded to 128): its image embeddings equal the CPU path's in bf16."""
+    from transformers import AutoImageProcessor
+
+    from backend.models.loader import load_model
+    from npu_llm_kernels import ops_for
+
+    model_dir = make_tiny_qwen_vl(tmp_path / arch, default_model_dir, arch)
+    _sharpen_vision_attention(model_dir)
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=[random_image(84, 56, 9)], return_tensors="pt")
+    grid = tuple(int(n) for n in pixels["image_grid_thw"][0])
+    embeddings = {}
+    for device in ("npu", "cpu"):
+        model, _, _ = load_model(model_dir, ops_for(device), device=device, dtype="bfloat16")
+        with torch.inference_mode():
+            embeddings[device] = model.encode_image(pixels["pixel_values"], grid).float().cpu()
+    assert fake_npu.calls["npu_rotary_mul"] > 0 and fake_npu.calls["npu_fused_infer_attention_score"] > 0
+    # (bf16 rounding apart, about 6e-4 here; without the rotary the NPU's embeddings part by 2e-2)
+    torch.testing.assert_close(embeddings["npu"], embeddings["cpu"], atol=4e-3, rtol=0)
+    # heads the fused attention does not take are refused, as the op refuses them
+    q = torch.zeros(4, 2, 80, dtype=torch.bfloat16, device="npu")
+    with pytest.raises(Exception, match="heads of 128 or 192"):
+        fake_npu.npu_fused_infer_attention_score(q, q, q, actual_seq_lengths=[4], actual_seq_lengths_kv=[4],
+                                                 num_heads=2, num_key_value_heads=2, input_layout="TND", scale=1.0)
+
+
+def _sharpen_vision_attention(model_dir) -> None:
+    """The tower made to show its picture: no biases, and the attention's weights scaled up (at the init's scale it
+    is near uniform and a small share of the residual stream, and a wrong rotary or window hardly shows)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    for name in [n for n in weights if "visual." in n]:
+        if name.endswith("bias"):
+            weights[name].zero_()  # (the fixture's large biases would swamp what the picture adds)
+        elif name.endswith(("attn.qkv.weight", "attn.proj.weight")):
+            weights[name] *= 8  # (and the attention's share of the residual stream made to matter)
+    save_file(weights, path, metadata={"format": "pt"})

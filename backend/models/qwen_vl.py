@@ -55,23 +55,15 @@ class VisionAttention(nn.Module):
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
         self.qkv = Linear(hidden, 3 * hidden, True, ops)
         self.proj = Linear(hidden, hidden, True, ops)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """Each window (or frame) attends within itself (the platform's vision_attention: on the NPU its fused
+        attention in TND layout)."""
         q, k, v = self.qkv(x).reshape(len(x), 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # each window (or image) attends within itself
-            out[start:stop] = F.scaled_dot_product_attention(
-                q[start:stop].transpose(0, 1), k[start:stop].transpose(0, 1), v[start:stop].transpose(0, 1),
-            ).transpose(0, 1)
+        q, k = self.ops.vision_rotary(q, cos, sin), self.ops.vision_rotary(k, cos, sin)
+        out = self.ops.vision_attention(q, k, v.contiguous(), cu_seqlens, self.head_dim**-0.5)
         return self.proj(out.reshape(len(x), -1))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotary in fp32 (as transformers rotates the vision tower's q and k), cos/sin [patches, head_dim]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class VisionMLP(nn.Module):

@@ -134,6 +134,21 @@ def _rotate(positions, query, key, head_size, table):
     key.copy_(k.reshape(key.shape))
 
 
+def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
+    """x * r1 + rotate_half(x) * r2 on [B, S, N, D], r1 / r2 of x's dtype broadcast over it (the vision towers')."""
+    name = "npu_rotary_mul"
+    _count(name)
+    _on_device(name, input=input, r1=r1, r2=r2)
+    _require(rotary_mode == "half", f"{name}: only rotary_mode 'half' is used here")
+    _require(input.dim() == 4 and r1.dim() == r2.dim() == 4, f"{name}: input, r1 and r2 must be 4-D")
+    _require(r1.dtype == r2.dtype == input.dtype, f"{name}: r1 and r2 must be of the input's dtype {input.dtype}")
+    _require(r1.shape == r2.shape and r1.shape[-1] == input.shape[-1] and input.shape[-1] % 2 == 0,
+             f"{name}: r1 / r2 {tuple(r1.shape)} must span the input's even last dimension {tuple(input.shape)}")
+    torch.broadcast_shapes(r1.shape, input.shape)  # (raises where they do not broadcast)
+    x1, x2 = input.float().chunk(2, dim=-1)
+    return (input.float() * r1.float() + torch.cat((-x2, x1), dim=-1) * r2.float()).to(input.dtype)
+
+
 # -- attention --------------------------------------------------------------------------------------
 
 
