@@ -335,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     vision.add_argument("--image-size", type=int, default=448, help="the pictures' side, in pixels")
     vision.add_argument("--num-prompts", type=int, default=4, help="requests of each kind, interleaved")
     vision.add_argument("--output-len", type=int, default=64, help="max_tokens (greedy, never stopping early)")
+    vision.add_argument("--baseline", choices=("hf", "none"), default="hf",
+                        help="hf: transformers' first token of the picture's prompt, in the same dtype")
     vision.set_defaults(func=_cmd_bench_vision)
     moe = kinds.add_parser("moe", help="one MoE layer's experts: the fused CPU kernel vs. the per-expert loop")
     moe.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
