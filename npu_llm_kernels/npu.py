@@ -56,14 +56,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 # -- vision towers (Qwen2.5-VL, Qwen3-VL) ---------------------------------------------------------------------------
-# The fused attention's TND layout takes heads of 128 or 192 (op-plugin's doc): narrower vision heads (Qwen2.5-VL's 80)
-# are padded with zeros, which change no score, and the output cut back (as vllm-ascend pads them, in its weights).
-TND_HEAD_DIMS = (128, 192)
+# The fused attention's TND layout takes heads of 192 on op-plugin 7.1.0 (128 or 192 on master): the vision heads
+# (Qwen2.5-VL's 80, Qwen3-VL's 72) are padded with zeros to 192, which changes no score, and the output is cut back.
+# (vllm-ascend pads its vision weights to heads of 128, for the newer op-plugin it runs on.)
+TND_HEAD = 192
 
 
 def vision_rotary(x, cos, sin):
     # OP: npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode="half") -> Tensor: self * r1 +
-    #   rotate_half(self) * r2, r1 / r2 broadcast over [B, S, N, D]; as vllm-ascend rotates its vision q and k
+    #   rotate_half(self) * r2, r1 / r2 broadcast over [B, S, N, D] (D even, under 896); the op vllm-ascend rotates
+    #   its vision q and k with (its heads padded to 128, ours at their width)
     rotated = torch_npu.npu_rotary_mul(x[None], cos[None, :, None].to(x.dtype), sin[None, :, None].to(x.dtype))
     return rotated[0]
 
@@ -73,10 +75,9 @@ def vision_attention(query, key, value, cu_seqlens: list[int], scale: float):
     #   scale, input_layout, num_key_value_heads, sparse_mode, ...) -> (out, lse): TND with the segments' cumulative
     #   ends on the host, sparse_mode 0 without a mask (full attention in each window or frame), bfloat16 only
     dim = query.shape[-1]
-    padded = next((d for d in TND_HEAD_DIMS if d >= dim), None)
-    if padded is None:
-        raise ValueError(f"vision heads of {dim} are wider than the NPU's fused attention takes ({TND_HEAD_DIMS})")
-    q, k, v = (torch.nn.functional.pad(t, (0, padded - dim)).to(torch.bfloat16).contiguous()
+    if dim > TND_HEAD:
+        raise ValueError(f"vision heads of {dim} are wider than the NPU's fused attention takes ({TND_HEAD})")
+    q, k, v = (torch.nn.functional.pad(t, (0, TND_HEAD - dim)).to(torch.bfloat16).contiguous()
                for t in (query, key, value))
     ends = cu_seqlens[1:]
     with scope("attention.vision"):

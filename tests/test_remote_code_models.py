@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import unicodedata
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tests.conftest import TINY, greedy_tokens, hf_model, make_tiny_model
 
 TEXTS = ["Hello, world! How are you today?", "  leading spaces and\ttabs\n\nnew lines",
          "数字 12345 and 3.14159, émigré café", "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>"]
+DECOMPOSED = "cafe\u0301"  # (Qwen's tokenizer reads it as NFC's "café")
 
 
 def _byte_level_vocab(tokenizer_dir) -> list[bytes]:
@@ -91,7 +93,9 @@ def test_the_tokenizer_encodes_and_decodes_as_the_published_one(qwen_v1_dir):
             ids = tokenizer.encode(text)
             assert ids == published.encode(text, allowed_special="all"), text
             assert tokenizer.decode(ids) == text
+        assert tokenizer.encode(DECOMPOSED) == published.encode(unicodedata.normalize("NFC", DECOMPOSED))
         assert tokenizer.eos_token == "<|endoftext|>"
+        assert tokenizer.convert_tokens_to_ids("<|im_end|>") == len(ranks) + 2
 
 
 def test_greedy_tokens_equal_the_model_it_was_written_from(qwen_v1_dir):

@@ -157,7 +157,7 @@ def test_a_draft_head_is_refused_for_a_vision_language_model(vl_dir):
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 def test_the_vision_tower_on_the_npu_equals_the_cpu_path(fake_npu, arch, tmp_path, default_model_dir):
     """On the (fake) NPU the tower rotates with npu_rotary_mul and attends with npu_fused_infer_attention_score in
-    TND layout (sparse_mode 0, heads of 16 padded to 128): its image embeddings equal the CPU path's in bf16."""
+    TND layout (sparse_mode 0, heads of 16 padded to 192): its image embeddings equal the CPU path's in bf16."""
     from transformers import AutoImageProcessor
 
     from backend.models.loader import load_model

@@ -11,11 +11,11 @@ from backend.models.remote_code import is_qwen_v1_folder, qwen_v1_tokenizer
 def load_tokenizer(name_or_path: str | Path):
     """The tokenizer of a folder, a .gguf file or the default model's name (as --tokenizer takes them); a Qwen (v1)
     folder's tiktoken vocabulary, converted (backend/models/remote_code.py)."""
-    from transformers import AutoTokenizer
-
     path = resolve_model(name_or_path)
     if is_qwen_v1_folder(path):
         return qwen_v1_tokenizer(path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -24,8 +24,10 @@ def load_template_tokenizer(name_or_path: str | Path):
     tokenizer.json. AutoTokenizer would load torch, through the model config it reads; a folder without
     tokenizer.json still gets it."""
     path = resolve_model(name_or_path)
+    if is_qwen_v1_folder(path):
+        return qwen_v1_tokenizer(path)  # (no torch either)
     if not (path / "tokenizer.json").is_file():
-        return load_tokenizer(path)  # (a Qwen v1 folder's converted tiktoken vocabulary, too)
+        return load_tokenizer(path)
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path))

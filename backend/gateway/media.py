@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from backend.gateway.errors import ApiError
 from backend.gateway.protocol import ChatMessage, ImageUrlPart
-from backend.triton.media import ImageError, data_url_bytes, decode_images
+from backend.triton.media import ImageError, check_images, data_url_bytes
 
 # vLLM's VLLM_IMAGE_FETCH_TIMEOUT (seconds), read the same way
 FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"
@@ -56,7 +56,7 @@ class MediaLoader:
         wheres = [where for where, _ in parts]
         try:
             encoded = [await self._bytes(part.image_url.url, where) for where, part in parts]
-            await asyncio.to_thread(decode_images, encoded, wheres)  # (each must decode; Triton decodes its own)
+            await asyncio.to_thread(check_images, encoded, wheres)  # (each must decode; Triton decodes its own)
         except ImageError as e:
             raise ApiError(400, str(e), param=e.where) from None
         return [base64.b64encode(data).decode() for data in encoded]
@@ -91,19 +91,23 @@ class MediaLoader:
         if host not in {domain.lower() for domain in self.allowed_media_domains}:
             raise ImageError(where, f"images from {host or url!r} are not fetched: the gateway fetches http(s) images "
                                     "only from the hosts of its --allowed-media-domains")
-        try:
-            async with asyncio.timeout(self.timeout_s), \
-                    httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
-                async with client.stream("GET", url) as response:
-                    if response.status_code != 200:
-                        raise ImageError(where, f"fetching {url} answered HTTP {response.status_code}")
-                    data = bytearray()
-                    async for chunk in response.aiter_bytes():
-                        data += chunk
-                        if len(data) > self.max_image_bytes:
-                            raise ImageError(where, f"{url} is larger than {self.max_image_bytes} bytes")
-                    return bytes(data)
-        except (TimeoutError, httpx.TimeoutException):  # (the whole fetch, not each read, within the timeout)
+        try:  # (the whole fetch, not each read, within the timeout)
+            return await asyncio.wait_for(self._download(url, where), self.timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
             raise ImageError(where, f"fetching {url} took longer than {self.timeout_s} s") from None
         except httpx.HTTPError as e:
             raise ImageError(where, f"fetching {url} failed ({e})") from None
+
+    async def _download(self, url: str, where: str) -> bytes:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise ImageError(where, f"fetching {url} answered HTTP {response.status_code}")
+                data = bytearray()
+                async for chunk in response.aiter_bytes():
+                    data += chunk
+                    if len(data) > self.max_image_bytes:
+                        raise ImageError(where, f"{url} is larger than {self.max_image_bytes} bytes")
+                return bytes(data)

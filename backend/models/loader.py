@@ -361,7 +361,10 @@ def _fused_parts(module: LlamaForCausalLM, key: str, fused: str, whole: torch.Te
     head_dim = module.model.layers[0].self_attn.head_dim
     sizes = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2 \
         if fused == ".qkv_proj." else [len(whole) // 2] * 2
-    return [(key.replace(fused, name), part) for name, part in zip(names, whole.split(sizes))]
+    if sum(sizes) != len(whole):
+        raise ModelLoadError(f"tensor {key!r} has {len(whole)} rows; its parts {', '.join(names)} make {sum(sizes)}")
+    parts = [key.replace(fused, name) for name in names]
+    return [(part, module.as_our_rows(part, rows)) for part, rows in zip(parts, whole.split(sizes))]
 
 
 def _shard_of(tensor: torch.Tensor, module: LlamaForCausalLM, key: str) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Checkpoints published with remote code, read without running it: the original Qwen (`QWenLMHeadModel`: Qwen-1.8B,
-7B, 14B, 72B and their -Chat), whose decoder is Qwen2's, and ChatGLM (`ChatGLMModel`), which is refused for its
-successors.
+7B, 14B, 72B and their -Chat), whose decoder is Qwen2's, and ChatGLM (`ChatGLMModel`), which is refused, naming its
+successors: its decoder is GLM-4's, but its chat format tokenizes each message's parts apart (through SentencePiece),
+which the text a chat template renders cannot reproduce.
 
 Qwen (v1) as published: config.json of model_type "qwen" (its own keys), tensors under `transformer.` (q, k and v
 fused in `c_attn`, with biases; the MLP's `w1` is up, `w2` the gate, as its `a1 * silu(a2)` computes them), and a
@@ -43,8 +44,10 @@ def remote_code_config(raw: dict, model_dir: Path):
     ValueError naming the checkpoint to serve instead where none is served."""
     architectures = raw.get("architectures") or []
     if any(a in CHATGLM for a in architectures):
-        raise ValueError("ChatGLM checkpoints (ChatGLMModel: ChatGLM2, ChatGLM3) run remote code npu-llm does not run, "
-                         "and are not served; their successor in transformers' own classes is: serve "
+        raise ValueError("ChatGLM checkpoints (ChatGLMModel: ChatGLM2, ChatGLM3) are not served: their chat format "
+                         "(the remote code's build_chat_input) runs each message's role, metadata line and content "
+                         "through SentencePiece apart, which no chat template reproduces, so its prompts would differ "
+                         "from the published model's. Serve its successor in transformers' own classes instead: "
                          "THUDM/glm-4-9b-chat-hf (GlmForCausalLM) or GLM-4-9B-0414 (Glm4ForCausalLM)")
     if QWEN_V1 not in architectures:
         return None
@@ -67,7 +70,8 @@ def _qwen_v1_config(raw: dict, model_dir: Path):
         rms_norm_eps=raw.get("layer_norm_epsilon", 1e-6),
         rope_parameters={"rope_type": "default", "rope_theta": float(raw.get("rotary_emb_base", 10000))},
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_id=[special["<|endoftext|>"], special["<|im_end|>"]] if special else None,
+        # (Qwen-Chat's chat() stops on all three)
+        eos_token_id=[special[t] for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] if special else None,
     )
     config.architectures = [QWEN_V1]
     return config
@@ -94,13 +98,16 @@ def _special_token_ids(model_dir: Path) -> dict[str, int]:
 
 
 def qwen_v1_tokenizer(model_dir: Path):
-    """Qwen's tokenizer as a fast tokenizer: qwen.tiktoken through transformers' TikTokenConverter, Qwen's pattern
-    and special tokens, <|endoftext|> its end of text, ChatML its chat template."""
+    """Qwen's tokenizer as a fast tokenizer: qwen.tiktoken through transformers' TikTokenConverter, Qwen's pattern,
+    NFC and special tokens, <|endoftext|> its end of text, ChatML its chat template."""
+    from tokenizers import AddedToken, normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    converted = TikTokenConverter(vocab_file=str(model_dir / QWEN_VOCAB_FILE), pattern=QWEN_PATTERN,
-                                  extra_special_tokens=list(QWEN_SPECIAL_TOKENS)).converted()
+    converted = TikTokenConverter(vocab_file=str(model_dir / QWEN_VOCAB_FILE), pattern=QWEN_PATTERN).converted()
+    # after the last rank, in their order (as tokenization_qwen.py numbers them; added here on every transformers)
+    converted.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+    converted.normalizer = normalizers.NFC()  # (tokenization_qwen.py normalizes every text to NFC first)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=converted, eos_token="<|endoftext|>",
                                         pad_token="<|endoftext|>")
     tokenizer.chat_template = CHATML_TEMPLATE

@@ -24,11 +24,22 @@ class ImageError(ValueError):
 def decode_images(encoded: list[bytes], wheres: list[str]) -> list:
     """PIL images in RGB of encoded image bytes (PNG, JPEG, WebP, GIF's first frame, ...), each named by its `where`;
     an ImageError for the first that is not an image, is truncated, or has too many pixels, alone or with the rest."""
+    return [_decoded(image, where) for image, where in zip(_within_budget(encoded, wheres), wheres)]
+
+
+def check_images(encoded: list[bytes], wheres: list[str]) -> None:
+    """What decode_images checks, each image decoded and let go before the next (the gateway keeps the bytes)."""
+    for image, where in zip(_within_budget(encoded, wheres), wheres):
+        _decoded(image, where)
+
+
+def _within_budget(encoded: list[bytes], wheres: list[str]) -> list:
+    """The images opened (their headers read), each and all together within the pixel budgets."""
     opened = [_opened(data, where) for data, where in zip(encoded, wheres)]
     total = sum(image.size[0] * image.size[1] for image in opened)
     if total > MAX_REQUEST_PIXELS:
         raise ImageError(wheres[-1], f"the request's images hold {total} pixels together; at most {MAX_REQUEST_PIXELS}")
-    return [_decoded(image, where) for image, where in zip(opened, wheres)]
+    return opened
 
 
 def _opened(data: bytes, where: str):

@@ -132,8 +132,9 @@ def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, actua
                  f"{name}: query_rope / key_rope must be [T, N, {ROPE}] beside query / key")
         query, key = torch.cat((query, query_rope), dim=-1), torch.cat((key, key_rope), dim=-1)
     _require(query.shape[2] == key.shape[2], f"{name}: query and key must be as wide")
-    _require(query.shape[2] in (128, 192) and value.shape[2] in (128, 192),
-             f"{name}: TND takes heads of 128 or 192 (q.k {query.shape[2]}, v {value.shape[2]})")
+    _require(query.shape[2] == value.shape[2] == 128 or (query.shape[2] == 192 and value.shape[2] in (128, 192)),
+             f"{name}: TND takes heads of 128 or 192: q.k and v of 128, or q.k of 192 with v of 128 or 192 "
+             f"(got q.k {query.shape[2]}, v {value.shape[2]})")
     q_lens = _cumulative(name, "actual_seq_lengths", actual_seq_lengths, query.shape[0])
     kv_lens = _cumulative(name, "actual_seq_lengths_kv", actual_seq_lengths_kv, key.shape[0])
     _require(len(q_lens) == len(kv_lens), f"{name}: one kv length per query length")
