@@ -48,9 +48,13 @@ class MultiModalInputs:
         tail = np.arange(max(start, prompt), stop, dtype=np.int64) + self.delta
         return np.concatenate((head, np.broadcast_to(tail, (3, len(tail)))), axis=1)
 
+    def images_in(self, start: int, stop: int) -> list[ImageItem]:
+        """The images whose tokens lie (some of them) in start..stop, in order."""
+        return [image for image in self.images if image.overlaps(start, stop)]
+
     def hashes_in(self, start: int, stop: int) -> bytes:
-        """The hashes of the images whose tokens lie in start..stop, in order: what a block's hash adds."""
-        return b"".join(image.hash for image in self.images if image.overlaps(start, stop))
+        """The hashes of the images whose tokens lie in start..stop: what a block's hash adds."""
+        return b"".join(image.hash for image in self.images_in(start, stop))
 
 
 def text_positions(start: int, stop: int) -> np.ndarray:

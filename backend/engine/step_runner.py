@@ -92,7 +92,7 @@ class StepRunner:
         if (mm := request.mm_inputs) is not None:  # (a vision-language model's: this chunk's share of its images)
             stop = start + s.num_new_tokens
             chunk.positions = mm.positions_of(start, stop)
-            chunk.images = [image for image in mm.images if image.overlaps(start, stop)]
+            chunk.images = mm.images_in(start, stop)
         return chunk
 
     @staticmethod
