@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from npu_llm_kernels.torch_ref import (  # noqa: F401
     MLA,
+    SKIPS_PAD_SLOTS,
     add_rms_norm,
     decode_graph_widths,
     fused_experts,

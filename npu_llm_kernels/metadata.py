@@ -31,13 +31,18 @@ class GraphCapture:
     workspace: torch.Tensor | None = None
 
 
+# The slot of a token whose K/V is written nowhere, as vLLM and vllm-ascend pad: kernels whose module sets
+# SKIPS_PAD_SLOTS skip it; the others write the scratch block's slots instead (see AttentionMetadata.build).
+PAD_SLOT_ID = -1
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence in this step
     context_lens: list[int]  # KV length per sequence after this step (cached + new)
     num_decodes: int  # the leading run of sequences with exactly one new token (batched as decodes)
     block_size: int
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token, or PAD_SLOT_ID
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused tail entries are 0
     context_lens_tensor: torch.Tensor  # [num_seqs] int32
     graph_capture: GraphCapture | None = None  # set only while a decode graph is captured
@@ -50,7 +55,10 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        dropped_block: int | None = None,
     ) -> "AttentionMetadata":
+        """dropped_block: a block whose slots are written nowhere (PAD_SLOT_ID, which the kernels that set
+        SKIPS_PAD_SLOTS skip): the scratch block of dummy steps and of a captured batch's padding rows."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -65,7 +73,10 @@ class AttentionMetadata:
         starts = np.repeat(np.asarray(context_lens) - np.asarray(query_lens), query_lens)
         offsets = np.arange(len(seq_index)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
         positions = starts + offsets
-        slots = table[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        blocks = table[seq_index, positions // block_size].astype(np.int64)
+        slots = blocks * block_size + positions % block_size
+        if dropped_block is not None:
+            slots[blocks == dropped_block] = PAD_SLOT_ID
 
         return cls(
             query_lens=list(query_lens),

@@ -29,6 +29,11 @@ from npu_llm_kernels.torch_ref import lora_add, pack_lora_weights  # noqa: F401
 from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts
 
 BLOCK_SIZE = 128
+# The cache writes skip slot -1, which vllm-ascend pads with (PAD_SLOT_ID): the op-plugin tests' golden for
+# _npu_reshape_and_cache skips negative slots, and npu_kv_rmsnorm_rope_cache's doc leaves them unwritten while it
+# calls repeated slots undefined, so a dummy step's or a captured batch's padding rows must not all write the
+# scratch block's one slot (docs/npu.md section 1).
+SKIPS_PAD_SLOTS = True
 # Masked value per dtype, as vllm-ascend builds its masks (attention.py generate_attn_mask /
 # get_splitfuse_attn_mask): -inf for fp16; for bf16 the prefill kernel takes 1 and splitfuse -10000.
 _PREFILL_MASKED = {torch.float16: float("-inf"), torch.bfloat16: 1.0}
@@ -281,8 +286,7 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert=0):
         # VA moe_mlp.py unquant_apply_mlp: npu_grouped_matmul(x=[h], weight=[w], split_item=2, group_list_type=1
         # (counts, as the dispatcher sets it), group_type=0, group_list=counts int64)[0], npu_swiglu between.
         # npu_swiglu(x, dim=-1) is silu(first half) * second half: silu(gate) * up, as torch_ref's silu_and_mul.
-        group_list = counts.to(torch.int64)
-        gmm = dict(split_item=2, group_list_type=1, group_type=0, group_list=group_list)
+        gmm = dict(split_item=2, group_type=0, **_groups(counts))
         h = torch_npu.npu_grouped_matmul([expanded_x], [w13], **gmm)[0]
         h = torch_npu.npu_grouped_matmul([torch_npu.npu_swiglu(h)], [w2], **gmm)[0]
     return _combine(h, row_idx, topk_weights, x.dtype)
@@ -305,14 +309,22 @@ def fused_experts_int8(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, 
     expanded_x, row_idx, counts, expanded_scale = _dispatch(x, topk_ids, first_expert, w13.shape[0], quant_mode=1)
     scale_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     with scope("moe.experts"):
-        gmm = dict(split_item=2, group_list_type=1, group_type=0, group_list=counts.to(torch.int64),
-                   output_dtype=x.dtype)
+        gmm = dict(split_item=2, group_type=0, output_dtype=x.dtype, **_groups(counts))
         h = torch_npu.npu_grouped_matmul([expanded_x], [w13], scale=[w13_scale.squeeze(-1).to(scale_dtype)],
                                          per_token_scale=[expanded_scale], **gmm)[0]
         h, pertoken_scale = torch_npu.npu_dynamic_quant(torch_npu.npu_swiglu(h), dst_type=torch.int8)
         h = torch_npu.npu_grouped_matmul([h], [w2], scale=[w2_scale.squeeze(-1).to(scale_dtype)],
                                          per_token_scale=[pertoken_scale], **gmm)[0]
     return _combine(h, row_idx, topk_weights, x.dtype)
+
+
+def _groups(counts: torch.Tensor) -> dict:
+    """npu_grouped_matmul's group_list for the experts' row counts: the counts themselves (type 1), as VA passes
+    them, except for one expert a rank, whose list of one count the doc refuses for type 1; one count is also its
+    own cumulative sum (type 0). Under expert parallelism the counts add up to fewer rows than x has (the pairs of
+    other ranks' experts trail them), where the doc asks for all of them: VA relies on the op leaving those rows
+    alone, and so does npu-llm (docs/npu.md 11.3)."""
+    return dict(group_list=counts.to(torch.int64), group_list_type=0 if len(counts) == 1 else 1)
 
 
 def _dispatch(x, topk_ids, first_expert, num_local_experts, quant_mode):

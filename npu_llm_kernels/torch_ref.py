@@ -117,6 +117,11 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return y.reshape(*x.shape[:-1], n)
 
 
+# index_copy_ writes every slot it is given (a slot of -1 would be out of range): the engine points the rows it
+# must not keep (a dummy step's, a captured batch's padding) at the scratch block instead (metadata.PAD_SLOT_ID).
+SKIPS_PAD_SLOTS = False
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

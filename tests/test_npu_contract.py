@@ -272,6 +272,8 @@ MOE_CASES = {
     "sigmoid-groups-bias-scaling": (64, 6, dict(renormalize=True, scoring_func="sigmoid", num_expert_group=8,
                                                 topk_group=4, routed_scaling_factor=2.5), (0, 64)),
     "expert-parallel-slice": (16, 4, dict(renormalize=True), (6, 5)),
+    # one expert a rank: a group_list of one count, which group_list_type 1 refuses (docs/npu.md 11.3)
+    "one-expert-a-rank": (16, 4, dict(renormalize=True), (3, 1)),
 }
 
 

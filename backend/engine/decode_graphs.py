@@ -4,8 +4,8 @@ A decode step runs a few small kernels per layer over a handful of tokens, so on
 the host's launch overhead dominates it; a captured graph launches them all at once. A graph fixes
 shapes and addresses, so:
 - a decode batch runs padded to the next captured batch size, its inputs copied into the buffers
-  the graphs were captured reading. Padding rows write their K/V into the runner's scratch block,
-  which no request owns, and never reach the lm_head;
+  the graphs were captured reading. Padding rows write their K/V nowhere where the kernels skip padded
+  slots (the NPU's), else into the runner's scratch block, which no request owns; they never reach the lm_head;
 - attention is captured for a context width (the kernels' decode_graph_widths); the narrowest that
   covers the batch's longest sequence is replayed, and batches longer than all of them run eagerly;
 - where the attention op takes context lengths as host data (the NPU), the kernels register an
@@ -22,7 +22,7 @@ import torch
 
 from backend.platform import Platform
 from npu_llm_kernels import AttentionMetadata
-from npu_llm_kernels.metadata import GraphCapture, cdiv
+from npu_llm_kernels.metadata import PAD_SLOT_ID, GraphCapture, cdiv
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,15 @@ class DecodeGraphs:
             raise ValueError(f"torch has no device graphs on {platform.name}")
         self.model, self.kv_caches, self.platform = model, kv_caches, platform
         self.block_size, self.scratch_block = block_size, scratch_block
+        self.dropped_block = scratch_block if model.ops.SKIPS_PAD_SLOTS else None
         self.batch_sizes = capture_sizes(max_num_seqs)
         self.widths = model.ops.decode_graph_widths(max_len, block_size)
         size, max_blocks, device = self.batch_sizes[-1], cdiv(max_len, block_size), platform.device
         # The inputs every graph reads; padding rows point at the scratch block with one token of context.
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((size,), scratch_block * block_size, dtype=torch.long, device=device)
+        padding_slot = PAD_SLOT_ID if model.ops.SKIPS_PAD_SLOTS else scratch_block * block_size
+        self.slot_mapping = torch.full((size,), padding_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((size, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], _Captured] = {}
@@ -93,7 +95,8 @@ class DecodeGraphs:
         padding = size - batch
         context_lens = context_lens + [1] * padding
         inputs = AttentionMetadata.build(
-            [1] * size, context_lens, block_tables + [[self.scratch_block]] * padding, self.block_size
+            [1] * size, context_lens, block_tables + [[self.scratch_block]] * padding, self.block_size,
+            dropped_block=self.dropped_block,
         )
         self.input_ids[:size].copy_(torch.tensor(token_ids + [0] * padding))
         self.positions[:size].copy_(inputs.context_lens_tensor - 1)

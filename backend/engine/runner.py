@@ -92,8 +92,9 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """The KV tensors for num_blocks blocks, plus one: a scratch block no request owns, where padded
-        rows (and the memory profile) write their K/V. Zero blocks leave only the scratch block."""
+        """The KV tensors for num_blocks blocks, plus one: a scratch block no request owns, where dummy steps (the
+        memory profile, the warm-up) and a captured batch's padding rows put their K/V. Where the kernels skip
+        padded slots (the NPU's), those rows write nothing. Zero blocks leave only the scratch block."""
         if self.decode_graphs is not None:
             raise RuntimeError("the decode graphs read the KV tensors: allocate the cache before capturing them")
         shape = (num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
@@ -101,6 +102,7 @@ class ModelRunner:
         self.kv_caches = [self._layer_cache(shape) for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
+        self.dropped_block = num_blocks if self.model.ops.SKIPS_PAD_SLOTS else None
 
     def _layer_cache(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of a layer; a latent cache (DeepSeek's MLA) as the platform's MLA kernels lay it
@@ -274,7 +276,7 @@ class ModelRunner:
         """The model's arguments for one step: input ids, positions (M-RoPE's three streams [3, tokens] for a
         vision-language model), KV caches, attention metadata."""
         metadata = AttentionMetadata.build(
-            query_lens, context_lens, [c.block_ids for c in ordered], self.block_size, self.device
+            query_lens, context_lens, [c.block_ids for c in ordered], self.block_size, self.device, self.dropped_block
         )
         input_ids = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
         spans = [(c.num_computed, c.num_computed + len(c.token_ids)) for c in ordered]

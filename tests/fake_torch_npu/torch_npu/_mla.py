@@ -14,7 +14,7 @@ from npu_llm_kernels import torch_ref
 from npu_llm_kernels.metadata import cdiv
 
 from . import _graphs
-from . import _check_workspace, _count, _half, _not_in_fake, _on_device, _require, calls
+from . import _check_workspace, _count, _distinct_slots, _half, _not_in_fake, _on_device, _require, calls
 
 LATENT, ROPE, HEAD = 512, 64, 128
 
@@ -69,7 +69,6 @@ def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
     c, r = kv.float().split([LATENT, ROPE], dim=-1)
     y = (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + epsilon) * gamma.float()).to(kv.dtype)
     k_embed = _rotate(r, cos, sin).to(kv.dtype)
-    # (duplicate slots are undefined and negative ones are not written: the docs)
     _graphs.launch(_write_rows, ("k_cache", "ckv_cache"), index=index, k_embed=k_embed, y=y, k_cache=k_cache,
                    ckv_cache=ckv_cache)
     if not is_output_kv:
@@ -78,7 +77,7 @@ def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
 
 
 def _write_rows(index, k_embed, y, k_cache, ckv_cache):
-    written = index >= 0
+    written = _distinct_slots("npu_kv_rmsnorm_rope_cache", index, k_cache.shape[0] * k_cache.shape[1])
     k_cache.view(-1, ROPE)[index[written]] = k_embed.reshape(-1, ROPE)[written]
     ckv_cache.view(-1, LATENT)[index[written]] = y.reshape(-1, LATENT)[written]
 
