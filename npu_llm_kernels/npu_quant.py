@@ -8,7 +8,8 @@ for compressed-tensors checkpoints.
 - Dynamic: `npu_dynamic_quant(x, dst_type=torch.int8)` gives int8 rows and their fp32 scales (absmax / 127), then
   `npu_quant_matmul(x, w, weight_scale, pertoken_scale=..., bias=..., output_dtype=x.dtype)`.
 - Static: `npu_quantize(x, 1 / input_scale (per column), input_offset (per column; zero for compressed-tensors),
-  torch.qint8, -1, False)`, then `npu_quant_matmul(x, w, input_scale * weight_scale, bias=..., output_dtype=x.dtype)`.
+  torch.qint8, -1, False)`, then `npu_quant_matmul(x, w, input_scale * weight_scale, bias=..., output_dtype=x.dtype)`,
+  the scale as `npu_trans_quant_param`'s int64 for an fp16 output (graph mode takes no fp32 one there).
   An msModelSlim layer's deq_scale and quant_bias arrive here folded (backend/models/quantization.py): its
   weight_scale is deq_scale / input_scale and its bias quant_bias * deq_scale, so the op gets deq_scale back
   (to fp32's rounding) and a float bias where vllm-ascend passes the int32 quant_bias.
@@ -18,7 +19,8 @@ outputs alike (vllm-ascend passes a bf16 weight_scale for bf16 models, which the
 Dynamic quantization here divides by 127, as the op does, where compressed-tensors divides by 127.5: the NPU's
 results differ from the CPU's by that rounding, as vllm-ascend's differ from vLLM's.
 
-W8A16, as its `AscendW8A16LinearMethod` (quantization/methods/w8a16.py): int8 weights [K, N] in FRACTAL_NZ,
+W8A16, as its `AscendW8A16LinearMethod` (quantization/methods/w8a16.py), but with int8 weights [K, N] in ND (its NZ
+runs only in graph mode, by the op's doc),
 `npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, bias=...)`, which dequantizes
 (w + offset) * scale inside the matmul. Its scales are per channel [N]; compressed-tensors' grouped ones go as
 [K / G, N] with antiquant_group_size G (the op's per-group form). Scales and offsets in x's dtype, as the op requires.
@@ -53,16 +55,21 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
             input_offset.to(x.dtype).repeat(k)
         quantized = torch_npu.npu_quantize(flat, reciprocal, offset, torch.qint8, -1, False)
         deq_scale = input_scale.float() * scale
-        if bias is not None and x.dtype == torch.float16:
-            # Without per-token scales an fp16 output takes an int32 bias only, added to the int32 sums: the float
-            # bias over deq_scale (an msModelSlim layer's quant_bias again, exactly, as its fold made it).
-            bias = torch.round(bias / deq_scale).to(torch.int32)
+        if x.dtype == torch.float16:
+            if bias is not None:
+                # Without per-token scales an fp16 output takes an int32 bias only, added to the int32 sums: the
+                # float bias over deq_scale (an msModelSlim layer's quant_bias again, exactly, as its fold made it).
+                bias = torch.round(bias / deq_scale).to(torch.int32)
+            # ... and, in graph mode, an int64 scale only (the op's doc): the form msModelSlim stores deq_scale in
+            deq_scale = torch_npu.npu_trans_quant_param(deq_scale)
         y = torch_npu.npu_quant_matmul(quantized, weight, deq_scale, bias=bias, output_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[1])
 
 
 def pack_w8a16_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor | None):
-    """int8 [N, K] -> [K, N] in FRACTAL_NZ; scales [N, G] (and offsets [N, 1]) -> [N] per channel, [G, N] per group.
+    """int8 [N, K] -> [K, N] in ND; scales [N, G] (and offsets [N, 1]) -> [N] per channel, [G, N] per group.
+    Not FRACTAL_NZ, which vllm-ascend casts to: npu_weight_quant_batchmatmul's doc takes an NZ weight in graph mode
+    only, and prefill steps always run eagerly.
     The op takes groups of a multiple of 32 input features, fewer than K: others fail the load here, not a step."""
     k, groups = weight.shape[1], weight_scale.shape[1]
     if groups > 1 and ((k // groups) % 32 or k // groups >= k):
@@ -71,7 +78,7 @@ def pack_w8a16_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_o
 
     def per_column(t):
         return None if t is None else (t.reshape(-1) if t.shape[1] == 1 else t.t().contiguous())
-    return pack_int8_weight(weight), per_column(weight_scale), per_column(weight_offset)
+    return weight.t().contiguous(), per_column(weight_scale), per_column(weight_offset)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -1,5 +1,7 @@
-"""W8A8 and W8A16 on the NPU, against the fake torch_npu: the weights cast to FRACTAL_NZ, activations quantized by
-npu_dynamic_quant (dynamic) or npu_quantize (static), npu_quant_matmul with the scales vllm-ascend passes; the result
+"""W8A8 and W8A16 on the NPU, against the fake torch_npu: W8A8's weights cast to FRACTAL_NZ (W8A16's stay ND, which
+an eager call needs), activations quantized by npu_dynamic_quant (dynamic) or npu_quantize (static), npu_quant_matmul
+with the scales vllm-ascend passes (npu_trans_quant_param's int64 for a static fp16 output, which graph mode needs);
+the result
 equal to torch_ref's up to the op's own rounding (absmax / 127 where compressed-tensors divides by 127.5); W8A16's
 npu_weight_quant_batchmatmul with per-channel or grouped scales; the ops refuse what the real ones refuse; and the
 engine serves W8A8 and W8A16 checkpoints on the NPU."""
@@ -38,7 +40,8 @@ def test_npu_w8a8_linear_matches_torch_ref(fake_npu, static, offset, dtype):
     # one int8 step of an activation moves an output by about |w| * scale_x * scale_w: within 3% of the largest
     assert (ours.cpu().float() - expected).abs().max() < 0.03 * expected.abs().max()
     quantize = "npu_quantize" if static else "npu_dynamic_quant"
-    assert fake_npu.calls == {"npu_format_cast": 1, quantize: 1, "npu_quant_matmul": 1}
+    int64_scale = {"npu_trans_quant_param": 1} if static and dtype == torch.float16 else {}
+    assert fake_npu.calls == {"npu_format_cast": 1, quantize: 1, "npu_quant_matmul": 1, **int64_scale}
 
 
 @pytest.mark.parametrize("groups, offset, dtype", [(1, False, torch.bfloat16), (1, True, torch.bfloat16),
@@ -54,13 +57,13 @@ def test_npu_w8a16_linear_matches_torch_ref(fake_npu, groups, offset, dtype):
     weight_offset = torch.randint(-8, 8, (n, 1)).float() if offset else None
     packed, packed_scale, packed_offset = npu.pack_w8a16_weight(
         weight.to("npu"), scale.to("npu"), None if weight_offset is None else weight_offset.to("npu"))
-    assert packed.shape == (k, n) and fake_npu.get_npu_format(packed) == 29
+    assert packed.shape == (k, n) and fake_npu.get_npu_format(packed) == 2
     assert packed_scale.shape == ((n,) if groups == 1 else (groups, n))
     ours = npu.w8a16_linear(x.to("npu"), packed, packed_scale, packed_offset, bias.to("npu"))
     expected = torch_ref.w8a16_linear(x.float(), weight, scale.to(dtype), weight_offset, bias.float())
     assert ours.device.type == "npu" and ours.dtype == dtype and ours.shape == (rows, n)
     assert (ours.cpu().float() - expected).abs().max() < 0.02 * expected.abs().max()  # (x and the weights in dtype)
-    assert fake_npu.calls == {"npu_format_cast": 1, "npu_weight_quant_batchmatmul": 1}
+    assert fake_npu.calls == {"npu_weight_quant_batchmatmul": 1}
 
 
 def test_w8a16_groups_the_npu_op_does_not_take_fail_at_load(fake_npu):
@@ -109,19 +112,24 @@ def test_npu_quant_ops_reject_what_the_real_ops_reject(fake_npu):
          "antiquant_offset must match antiquant_scale's dtype and shape"),
         (lambda: fake_npu.npu_weight_quant_batchmatmul(x, w, scale.bfloat16(), bias=scale.bfloat16()),
          "a torch.bfloat16 x takes a float32 bias"),
+        (lambda: fake_npu.npu_weight_quant_batchmatmul(x, fake_npu.npu_format_cast(w, 29), scale.bfloat16()),
+         "a FRACTAL_NZ weight runs only in graph mode"),
     ]
     for call, message in cases:
         with pytest.raises(fake_npu.NpuOpError, match=message):
             call()
 
 
-@pytest.mark.parametrize("scheme, format, group", [("w8a8_dynamic", "compressed-tensors", None), ("w8a8", "ascend", None),
-                                                   ("w8a16", "compressed-tensors", 32), ("w8a16", "ascend", None)])
+@pytest.mark.parametrize("scheme, format, group, dtype", [
+    ("w8a8_dynamic", "compressed-tensors", None, "bfloat16"), ("w8a8", "ascend", None, "bfloat16"),
+    ("w8a16", "compressed-tensors", 32, "bfloat16"), ("w8a16", "ascend", None, "bfloat16"),
+    ("w8a8", "ascend", None, "float16"),  # (an fp16 output of a static layer: the int64 scale graph mode needs)
+])
 def test_the_engine_serves_a_quantized_checkpoint_on_the_npu(fake_npu, monkeypatch, tmp_path, default_model_dir,
-                                                             scheme, format, group):
-    """Greedy on the NPU (bf16) against the CPU's portable path on the same checkpoint: each prompt's first token
-    is among the CPU's five most likely (the two quantize activations with scales 127 / 127.5 apart, or multiply by
-    a static scale's reciprocal where the CPU divides by it)."""
+                                                             scheme, format, group, dtype):
+    """Greedy on the NPU, decode steps in graph mode, against the CPU's portable path on the same checkpoint: each
+    prompt's first token is among the CPU's five most likely (the two quantize activations with scales 127 / 127.5
+    apart, or multiply by a static scale's reciprocal where the CPU divides by it)."""
     from backend import LLM, SamplingParams
 
     source = make_tiny_model("llama", tmp_path / "source", vocab_size=VOCAB)
@@ -130,11 +138,11 @@ def test_the_engine_serves_a_quantized_checkpoint_on_the_npu(fake_npu, monkeypat
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (7, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
-    args = dict(model=str(out), tokenizer=str(default_model_dir), dtype="bfloat16", num_kv_blocks=8,
+    args = dict(model=str(out), tokenizer=str(default_model_dir), dtype=dtype, num_kv_blocks=8,
                 quantization=None if format == "compressed-tensors" else format)
-    with LLM(device="npu", **args) as llm:
+    with LLM(device="npu", enforce_eager=False, max_num_seqs=4, **args) as llm:
         on_npu = [o.outputs[0] for o in llm.generate(prompts, params)]
-        assert llm.engine.kv.num_free_blocks == 8
+        assert llm.engine.kv.num_free_blocks == 8 and llm.engine.runner.decode_graphs.num_replays > 0
     ops = {"w8a8_dynamic": ("npu_quant_matmul", "npu_dynamic_quant"), "w8a8": ("npu_quant_matmul", "npu_quantize"),
            "w8a16": ("npu_weight_quant_batchmatmul",)}[scheme]
     assert all(fake_npu.calls[op] > 0 for op in ops)

@@ -655,5 +655,6 @@ from ._quant import (  # noqa: E402, F401  (W8A8, W8A16)
     npu_format_cast,
     npu_quant_matmul,
     npu_quantize,
+    npu_trans_quant_param,
     npu_weight_quant_batchmatmul,
 )

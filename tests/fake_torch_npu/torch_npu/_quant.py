@@ -6,8 +6,9 @@ npu_dynamic_quant (scale = row absmax / 127, y = round(x / scale)), npu_quantize
 (y = int8(x * scales + zero_points)), npu_quant_matmul (x1 @ x2 * scale [* pertoken_scale] + bias, with its table
 of supported scale, bias, pertoken and output dtypes on A2/A3), npu_format_cast (layout only; the fake records the
 format, get_npu_format reads it), npu_weight_quant_batchmatmul (x @ ((weight + antiquant_offset) * antiquant_scale)
-+ bias, the scale and offset [N] per channel or [ceil(K / group), N] per group, in x's dtype). Modes vllm-ascend does
-not use raise as "not part of the fake".
++ bias, the scale and offset [N] per channel or [ceil(K / group), N] per group, in x's dtype; an NZ weight in graph
+mode only), npu_trans_quant_param (an fp32 scale as npu_quant_matmul's int64). Modes vllm-ascend does not use raise
+as "not part of the fake".
 """
 from __future__ import annotations
 
@@ -111,7 +112,11 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         allowed = (torch.float32,) if pertoken_scale is not None else (torch.float32, torch.int64)
         _require(scale.dtype in allowed, f"{name}: an fp16 output takes a {' or '.join(map(str, allowed))} scale "
                                          f"here, got {scale.dtype}")
-        _not_in_fake(name, scale.dtype != torch.int64, "an int64 (npu_trans_quant_param) scale")
+        # the doc: "when the output is int8 or float16 and there is no pertoken_scale, graph mode does not support
+        # passing scale directly as float32" (npu_trans_quant_param's int64 instead)
+        _require(pertoken_scale is not None or scale.dtype == torch.int64 or not _graphs.is_capturing(),
+                 f"{name}: under graph capture an fp16 output without pertoken_scale takes an int64 scale from "
+                 "npu_trans_quant_param, not float32")
     if pertoken_scale is not None:
         _on_device(name, pertoken_scale=pertoken_scale)
         _require(pertoken_scale.dtype == torch.float32 and pertoken_scale.shape == (x1.shape[0],),
@@ -129,11 +134,31 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     return y
 
 
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
+    """fp32 scales as the int64 npu_quant_matmul takes: the scale cut to FP19 (its low 13 mantissa bits cleared) in
+    bits 0-31, bit 46 set (the doc's formula; offsets are not part of the fake)."""
+    name = "npu_trans_quant_param"
+    _count(name)
+    _on_device(name, scale=scale)
+    _require(scale.dtype == torch.float32 and scale.dim() in (1, 2), f"{name}: scale must be 1-D or 2-D float32, "
+                                                                     f"got {scale.dim()}-D {scale.dtype}")
+    _not_in_fake(name, offset is None and round_mode == 0, "offsets or another round_mode")
+    bits = scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFE000
+    return bits | (1 << 46)
+
+
+def _dequant_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale an int64 one (npu_trans_quant_param's) carries, or a float scale as it is."""
+    if scale.dtype != torch.int64:
+        return scale.float()
+    return (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+
+
 def _quant_matmul(x1, x2, scale, pertoken_scale, bias, y):
     sums = x1.int() @ x2.int()  # int32 accumulation; an int32 bias joins the sums, a float one the result
     if bias is not None and bias.dtype == torch.int32:
         sums = sums + bias
-    out = sums.float() * scale.float()
+    out = sums.float() * _dequant_scale(scale)
     if pertoken_scale is not None:
         out = out * pertoken_scale.unsqueeze(-1)
     if bias is not None and bias.dtype != torch.int32:
@@ -149,6 +174,9 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     _not_in_fake(name, quant_scale is None and quant_offset is None, "a quantized (int8) output")
     _require(x.dtype in _HALF, f"{name}: x must be fp16 or bf16, got {x.dtype}")
     _require(weight.dtype == torch.int8, f"{name}: the fake covers int8 weights (W8A16), got {weight.dtype}")
+    # the doc: "when weight is FRACTAL_NZ, single-op (eager) invocation is not yet supported; only graph mode"
+    _require(get_npu_format(weight) == ND or _graphs.is_capturing(),
+             f"{name}: a FRACTAL_NZ weight runs only in graph mode; an eager call takes it in ND")
     _require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[0],
              f"{name}: x [M, K] and weight [K, N], got {list(x.shape)} and {list(weight.shape)}")
     k, n = weight.shape
