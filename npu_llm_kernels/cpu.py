@@ -23,6 +23,7 @@ from npu_llm_kernels import torch_ref
 from npu_llm_kernels.timing import scope
 from npu_llm_kernels.torch_ref import pack_w8a16_weight  # noqa: F401  (W8A16's int8 weights stay [N, K])
 from npu_llm_kernels.torch_ref import SKIPS_PAD_SLOTS  # noqa: F401  (csrc's cache write checks every slot)
+from npu_llm_kernels.torch_ref import require_ops  # noqa: F401  (csrc is built here, for this CPU)
 from npu_llm_kernels.torch_ref import select_experts  # noqa: F401  (the MoE router; the experts are below)
 from npu_llm_kernels.torch_ref import vision_attention, vision_rotary  # noqa: F401  (vision towers: torch's SDPA)
 from npu_llm_kernels.cpu_features import BUILDS, cpu_features

@@ -17,6 +17,7 @@ import weakref
 import torch
 import torch_npu
 
+from npu_llm_kernels import npu_releases
 from npu_llm_kernels.metadata import AttentionMetadata, GraphCapture
 from npu_llm_kernels.npu_mla import NpuMLA as MLA  # noqa: F401  (DeepSeek's latent attention: its own ops)
 from npu_llm_kernels.npu_quant import (  # noqa: F401  (W8A8, W8A16)
@@ -38,6 +39,12 @@ SKIPS_PAD_SLOTS = True
 # get_splitfuse_attn_mask): -inf for fp16; for bf16 the prefill kernel takes 1 and splitfuse -10000.
 _PREFILL_MASKED = {torch.float16: float("-inf"), torch.bfloat16: 1.0}
 _SPLITFUSE_MASKED = {torch.float16: float("-inf"), torch.bfloat16: -10000.0}
+
+
+def require_ops(parts) -> None:
+    """Refuse, at load, a torch_npu without the ops these parts of a model call (npu_releases.OPS' names), naming the
+    release to install."""
+    npu_releases.require(torch_npu, ["attention", *parts])
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:

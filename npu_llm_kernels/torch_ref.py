@@ -117,6 +117,10 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return y.reshape(*x.shape[:-1], n)
 
 
+def require_ops(parts) -> None:
+    """Every op here is torch's own: nothing to require of a release (the NPU's kernels check torch_npu's)."""
+
+
 # index_copy_ writes every slot it is given (a slot of -1 would be out of range): the engine points the rows it
 # must not keep (a dummy step's, a captured batch's padding) at the scratch block instead (metadata.PAD_SLOT_ID).
 SKIPS_PAD_SLOTS = False

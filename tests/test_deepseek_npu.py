@@ -112,6 +112,30 @@ def test_shapes_the_npu_ops_do_not_take_are_refused_at_load(fake_npu, tmp_path):
         load_model(make_tiny_model("deepseek_v2", tmp_path / "v2"), ops_for("npu"), device="npu", dtype="bfloat16")
 
 
+@pytest.fixture
+def torch_npu_2_5_1(monkeypatch, request):
+    """The fake playing torch_npu 2.5.1.post1 (op-plugin 7.1.0): no npu_fused_infer_attention_score_v2 and no
+    workspace APIs."""
+    monkeypatch.setenv("FAKE_TORCH_NPU_VERSION", "2.5.1.post1")
+    return request.getfixturevalue("fake_npu")
+
+
+def test_a_torch_npu_without_the_mla_ops_is_refused_before_any_weight(torch_npu_2_5_1, tmp_path):
+    assert torch_npu_2_5_1.__version__ == "2.5.1.post1"
+    assert not hasattr(torch_npu_2_5_1, "npu_fused_infer_attention_score_v2")
+    allocated = torch.npu.memory_allocated()
+    with pytest.raises(ModelLoadError, match="torch_npu 2.5.1.post1 lacks .*npu_fused_infer_attention_score_v2.*, "
+                                             "which latent attention \\(MLA\\) call on the NPU: install torch_npu "
+                                             "2.6.0.post3, 2.7.1 or 2.8.0 \\(CANN 8.3.RC1\\) or later"):
+        load_model(make_tiny_model("deepseek_v2", tmp_path / "v2", **NPU_SHAPE), ops_for("npu"), device="npu",
+                   dtype="bfloat16")
+    assert torch.npu.memory_allocated() == allocated
+    # a dense model's ops are all in that release
+    model, _, _ = load_model(make_tiny_model("llama", tmp_path / "llama"), ops_for("npu"), device="npu",
+                             dtype="bfloat16")
+    assert next(model.parameters()).device.type == "npu"
+
+
 def test_mla_ops_reject_what_the_real_ops_reject(fake_npu):
     npu = torch.device("npu")
     bf16 = dict(dtype=torch.bfloat16, device=npu)

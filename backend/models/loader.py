@@ -152,6 +152,10 @@ def load_model(
         _quantize(module, quant, ops, model_dir)
     for router in (m for m in module.modules() if isinstance(m, Router)):
         router.float()
+    try:
+        ops.require_ops(_kernel_parts(module))  # (on the NPU: a torch_npu that has every op they call)
+    except RuntimeError as e:
+        raise ModelLoadError(f"{model_dir.name}: {e}") from e
     module = module.to_empty(device=device)
     files = checkpoint_files(model_dir)
     if quant is not None:
@@ -188,6 +192,20 @@ def _quantize(module: LlamaForCausalLM, quant: CompressedTensors | ModelSlim, op
     except UnsupportedQuantization as e:
         raise ModelLoadError(f"{where}: {e}") from e
     log.info("%s: %s", where.parent.name, quant.description)
+
+
+def _kernel_parts(module: LlamaForCausalLM) -> set[str]:
+    """The parts of the model whose kernels a platform may need a release for (npu_llm_kernels.npu_releases.OPS)."""
+    parts = {"latent attention (MLA)"} if module.latent_kv else set()
+    if module.is_multimodal:
+        parts.add("vision tower")
+    for layer in module.modules():
+        if isinstance(layer, FusedMoE):
+            parts.add("mixture of experts")
+        scheme = getattr(layer, "scheme", None)  # (an Int8Scheme on a quantized Linear or FusedMoE)
+        if scheme is not None:
+            parts.add("W8A16" if scheme.weight_only else "W8A8")
+    return parts
 
 
 def _stored_keys(files: list[Path]) -> set[str]:

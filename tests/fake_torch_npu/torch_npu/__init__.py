@@ -29,7 +29,9 @@ from . import _graphs, _hccl
 from . import profiler
 from .op_plugin.atb import _atb_ops
 
-__version__ = ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0.post1"  # built for this torch
+# built for this torch, or the release FAKE_TORCH_NPU_VERSION declares (see the end of this file)
+__version__ = os.environ.get("FAKE_TORCH_NPU_VERSION",
+                             ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0.post1")
 calls: dict[str, int] = {}  # op name -> times called, for the tests
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -658,3 +660,16 @@ from ._quant import (  # noqa: E402, F401  (W8A8, W8A16)
     npu_trans_quant_param,
     npu_weight_quant_batchmatmul,
 )
+
+
+# An older release declared (FAKE_TORCH_NPU_VERSION) lacks the ops op-plugin added after its line, as the real one
+# does (op_plugin_functions.yaml and ops/atb on branches 7.0.0, 7.1.0 and 7.2.0; docs/npu.md section 15): torch_npu
+# 2.5.1 is op-plugin 7.0.0, 2.5.1.post1 and 2.6.0 are 7.1.0; later releases have them all.
+_ADDED = {"7.1.0": ["npu_moe_token_unpermute"],
+          "7.2.0": ["npu_fused_infer_attention_score_v2", "_npu_fused_infer_attention_score_v2_get_max_workspace",
+                    "npu_attention_update", "_npu_paged_attention_get_workspace"]}
+_LINE = {"2.5.1": "7.0.0", "2.5.1.post1": "7.1.0", "2.6.0": "7.1.0"}.get(__version__)
+for _added_in, _names in _ADDED.items():
+    if _LINE is not None and _LINE < _added_in:
+        for _name in _names:
+            globals().pop(_name, None)
