@@ -383,7 +383,8 @@ def test_abort_while_pulling_frees_the_blocks_once_the_pull_ends(engines):
     assert_all_blocks_free(producer, consumer)
 
 
-def test_npu_engines_pull_the_kv_bit_for_bit_over_the_ascend_transport(fake_npu, tiny_llama_dir, default_model_dir):
+def test_npu_engines_pull_the_kv_bit_for_bit_over_the_ascend_transport(fake_npu, monkeypatch, tiny_llama_dir,
+                                                                       default_model_dir):
     """On the (fake) NPU: 128-token blocks in device memory, the transfer engine started with vllm-ascend's "ascend"
     protocol (this non-CUDA build of Mooncake serves it over TCP). The pulled blocks equal the producer's bit for
     bit, and the decode gives the colocated engine's tokens."""
@@ -394,8 +395,14 @@ def test_npu_engines_pull_the_kv_bit_for_bit_over_the_ascend_transport(fake_npu,
     colocated = LLMEngine(EngineConfig(**common))
     try:
         assert producer.kv_connector.protocol == consumer.kv_connector.protocol == "ascend"
+        # the pull threads bind to the KV cache's device (the NPU's current device is per thread)
+        bound, set_device = [], torch.npu.set_device
+        monkeypatch.setattr(torch.npu, "set_device", lambda device: (
+            bound.append((threading.current_thread().name, str(device))), set_device(device)))
         ids = prompt(70, 2 * 128 + 44)
         params = prefill(producer, "p-npu", ids)
+        consumer.kv_connector._pool_of(KVTransferParams.model_validate(params)).submit(lambda: None).result()
+        assert [device for thread, device in bound if thread.startswith("npu-llm-kv-load")] == ["npu:0"]
         assert_decodes_as_colocated(consumer, colocated, "npu", ids, params, 8)
         local = consumer.kv_connector.stats
         assert local.pulls == 1 and local.blocks == 3
@@ -469,3 +476,14 @@ def test_without_mooncake_the_start_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # (import fails as if it were not installed)
     with pytest.raises(RuntimeError, match="make install.*mooncake-transfer-engine-non-cuda.*libibverbs1"):
         start_transfer_engine("127.0.0.1", "cpu")
+
+
+def test_kv_memory_is_registered_once_a_storage_and_within_hccls_region_limit():
+    from backend.engine.kv_transfer.transfer_engine import MAX_ASCEND_REGIONS, memory_regions
+
+    whole = torch.zeros(4, 8)
+    assert memory_regions([whole[:2], whole[2:], whole], "ascend") == {whole.data_ptr(): whole.nbytes}
+    layers = [torch.zeros(2, 8) for _ in range(MAX_ASCEND_REGIONS + 1)]
+    assert len(memory_regions(layers, "tcp")) == MAX_ASCEND_REGIONS + 1  # (the limit is HCCL's)
+    with pytest.raises(RuntimeError, match=f"257 separate device allocations, and HCCL registers at most 256"):
+        memory_regions(layers, "ascend")

@@ -40,6 +40,7 @@ import torch
 from backend.config import KVTransferConfig
 from backend.engine.kv_cache import block_hash_chain
 from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector, KVConnectorMetadata, drain
+from backend.engine.kv_transfer.transfer_engine import bind_to
 from backend.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -316,12 +317,6 @@ def model_key(name: str, model_dir: Path, quantization: str | None) -> str:
                 f.seek(8 + header_bytes + begin)
                 digest.update(tensor.encode() + f.read(min(end - begin, TENSOR_SAMPLE_BYTES)))
     return f"{name}-{digest.hexdigest()[:16]}"
-
-
-def bind_to(device: torch.device) -> None:
-    """This thread's current device: the KV cache's (torch.npu.set_device on an NPU, which is per thread)."""
-    if device.type in ("npu", "cuda"):
-        getattr(torch, device.type).set_device(device)
 
 
 def describe(error: BaseException, timeout_s: float) -> str:

@@ -36,7 +36,7 @@ from backend.engine.kv_transfer.connector import FinishedTransfers, KVConnector,
 from backend.engine.kv_transfer.loopback import listeners_are_local
 from backend.engine.kv_transfer.params import KVTransferParams
 from backend.engine.kv_transfer.side_channel import SideChannelServer, Unavailable, call
-from backend.engine.kv_transfer.transfer_engine import start_transfer_engine, transfer_protocol
+from backend.engine.kv_transfer.transfer_engine import bind_to, memory_regions, start_transfer_engine, transfer_protocol
 from backend.engine.request import Request
 from npu_llm_kernels.metadata import cdiv
 
@@ -85,6 +85,8 @@ class MooncakeConnectorV1(KVConnector):
         self._engine = start_transfer_engine(config.kv_ip, platform)
         self.protocol = transfer_protocol(platform)
         self._tensors: list[tuple[int, int]] = []  # ours, as in _Peer.tensors
+        self._regions: list[int] = []  # the addresses of the memory registered with the transfer engine
+        self._device = torch.device("cpu")  # the KV cache's, which the pull threads bind to
         self._num_blocks = 0
         self._lock = threading.Lock()  # _held, _released and stats: the side channel's thread shares them
         self._held: dict[str, _Held] = {}
@@ -150,10 +152,13 @@ class MooncakeConnectorV1(KVConnector):
         for t in tensors:
             if t.stride(0) * t.shape[0] != t.numel():
                 raise ValueError("a KV tensor to transfer must be contiguous blocks")
-            status = self._engine.register_memory(t.data_ptr(), t.numel() * t.element_size())
+        for address, size in memory_regions(tensors, self.protocol).items():
+            status = self._engine.register_memory(address, size)
             if status != 0:
                 raise RuntimeError(f"Mooncake could not register the KV cache (status {status})")
+            self._regions.append(address)
         self._tensors = [(t.data_ptr(), t.stride(0) * t.element_size()) for t in tensors]
+        self._device = tensors[0].device if tensors else torch.device("cpu")
         self._num_blocks = tensors[0].shape[0] if tensors else 0
         if self.config.is_producer:
             self._server = SideChannelServer(self.config.kv_ip, self.config.kv_port, self._answer)
@@ -170,8 +175,10 @@ class MooncakeConnectorV1(KVConnector):
         least recently used one's go, once their work is done, with its layout)."""
         address = (remote.remote_host, remote.remote_port)
         with self._lock:
+            # (bound to the KV cache's device, as vllm-ascend binds its pull threads: the device is per thread)
             pool = self._pools.pop(address, None) or ThreadPoolExecutor(
-                PULLS_PER_PEER, thread_name_prefix=f"npu-llm-kv-load-{remote.remote_port}")
+                PULLS_PER_PEER, thread_name_prefix=f"npu-llm-kv-load-{remote.remote_port}", initializer=bind_to,
+                initargs=(self._device,))
             self._pools[address] = pool
             while len(self._pools) > MAX_PEERS:
                 gone, old = self._pools.popitem(last=False)
@@ -206,9 +213,9 @@ class MooncakeConnectorV1(KVConnector):
             self._server.stop()
         for pool in [*self._pools.values(), *self._retired]:
             pool.shutdown(wait=True, cancel_futures=True)
-        for address, _ in self._tensors:
+        for address in self._regions:
             self._engine.unregister_memory(address)
-        self._tensors = []
+        self._tensors, self._regions = [], []
 
     # -- the producer's side channel --------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 from backend.config import KVTransferConfig
 from backend.config.kv_transfer import MOONCAKE_CONFIG_ENV, MOONCAKE_MASTER_ENV
 from backend.engine.kv_transfer.kv_pool import BlockStore, PoolError
-from backend.engine.kv_transfer.transfer_engine import INSTALL_HINT, READ_TIMEOUT_S, transfer_protocol
+from backend.engine.kv_transfer.transfer_engine import INSTALL_HINT, READ_TIMEOUT_S, memory_regions, transfer_protocol
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class MooncakeBlockStore(BlockStore):
         # Over TCP each buffer of a put or get is a transfer task of its own: a block's slices of every KV tensor (two
         # a layer) are gathered into one row of a staging buffer first, one task a block (8x faster at 30 layers).
         # Over Ascend's transport, straight from and into the KV tensors in device memory, as vllm-ascend moves them.
-        self.staged = settings["protocol"] == "tcp" and self.STAGE_OVER_TCP
+        self.protocol = settings["protocol"]
+        self.staged = self.protocol == "tcp" and self.STAGE_OVER_TCP
         self._registered: list[int] = []
         log.info("KV pool: Mooncake Store, master %s, %s, lending %d MiB", self.master, settings["protocol"],
                  settings["global_segment_size"] >> 20)
@@ -99,7 +100,7 @@ class MooncakeBlockStore(BlockStore):
                                        dtype=torch.uint8)
             regions = {self.staging.data_ptr(): self.staging.numel()}
         else:
-            regions = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+            regions = memory_regions(tensors, self.protocol)
         for address, size in regions.items():
             if self.store.register_buffer(address, size) != 0:
                 raise RuntimeError("Mooncake Store could not register the KV cache's memory")

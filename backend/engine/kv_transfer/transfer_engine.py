@@ -4,8 +4,32 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 INSTALL_HINT = ("`make install` installs it: pip's mooncake-transfer-engine-non-cuda (mooncake-transfer-engine-npu on "
                 "Ascend) and Debian's libibverbs1 librdmacm1 libnuma1 liburing2 (docs/disaggregation.md)")
+
+
+# HCCL registers at most this many memory regions a process (vllm-ascend's MAX_HCCL_REGISTER_REGIONS)
+MAX_ASCEND_REGIONS = 256
+
+
+def memory_regions(tensors: list[torch.Tensor], protocol: str) -> dict[int, int]:
+    """(address -> bytes) to register for these KV tensors: each storage once, however many views of it there are,
+    as vllm-ascend registers them; over Ascend's transport, at most MAX_ASCEND_REGIONS."""
+    regions = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    if protocol == "ascend" and len(regions) > MAX_ASCEND_REGIONS:
+        raise RuntimeError(f"the KV cache is {len(regions)} separate device allocations, and HCCL registers at most "
+                           f"{MAX_ASCEND_REGIONS} memory regions a process: serve this model's layers over more "
+                           "pipeline or tensor-parallel ranks, or without a Mooncake transfer (docs/npu.md section 16)")
+    return regions
+
+
+def bind_to(device: torch.device) -> None:
+    """This thread's current device: the KV cache's (torch.npu.set_device on an NPU, which is per thread: a thread
+    that never sets it opens a context on device 0, whatever the KV cache's device)."""
+    if device.type in ("npu", "cuda"):
+        getattr(torch, device.type).set_device(device)
 
 
 def transfer_protocol(platform: str) -> str:
@@ -31,5 +55,10 @@ def start_transfer_engine(host: str, platform: str):
     protocol = transfer_protocol(platform)
     status = engine.initialize(host, "P2PHANDSHAKE", protocol, "")  # (the "ascend" transport finds its device: "")
     if status != 0:
-        raise RuntimeError(f"Mooncake's transfer engine did not start on {host} over {protocol} (status {status})")
+        # (whether a Mooncake build carries the ascend transport, USE_ASCEND_DIRECT, shows only here: vllm-ascend
+        # does not check it either)
+        built = "; its build must carry Ascend's transport (mooncake-transfer-engine-npu, or USE_ASCEND_DIRECT=ON)" \
+            if protocol == "ascend" else ""
+        raise RuntimeError(f"Mooncake's transfer engine did not start on {host} over {protocol} (status {status})"
+                           f"{built}")
     return engine
