@@ -643,3 +643,26 @@ def test_profile_capture_on_npu_uses_torch_npu_profiler(fake_npu, tmp_path):
     breakdown = result.breakdown()
     assert breakdown["decode-only"]["decode attention"]["ms_per_step"] > 0
     assert breakdown["prefill-only"]["prefill attention"]["ms_per_step"] > 0
+
+
+def test_vllm_ascends_additional_config_is_read_as_it_means_here(fake_npu, caplog):
+    """torchair_graph_config.enabled: ACL graphs of decode steps (torchair is gone upstream); chunked_prefill_for_mla:
+    chunked prefill; keys vllm-ascend never had are refused by name, as is a layout npu-llm does not serve."""
+    from backend import LLM
+    from backend.config import EngineConfig
+
+    tuning_guide = {"torchair_graph_config": {"enabled": True, "use_cached_graph": True, "enable_super_kernel": True},
+                    "chunked_prefill_for_mla": False, "enable_weight_nz_layout": True}
+    with caplog.at_level("INFO", logger="backend.config.ascend"):
+        config = EngineConfig(device="npu", additional_config=tuning_guide)
+    assert config.enforce_eager is False and config.enable_chunked_prefill is False
+    assert "torchair is gone from vllm-ascend" in caplog.text and "use_cached_graph" in caplog.text
+    with LLM(device="npu", dtype="bfloat16", num_kv_blocks=8, max_num_seqs=2, max_model_len=256,
+             additional_config={"torchair_graph_config": {"enabled": True}}) as llm:
+        assert llm.engine.runner.decode_graphs is not None
+    for wrong, message in [({"torchair_graph_config": {"enable": True}}, "torchair_graph_config.enable: not a key"),
+                           ({"enable_flashcomm": 1}, "enable_flashcomm: not a key of vllm-ascend's"),
+                           ({"enable_weight_nz_layout": False}, "casts W8A8 weights to FRACTAL_NZ always"),
+                           ({"chunked_prefill_for_mla": "yes please"}, "chunked_prefill_for_mla: Input should be")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(additional_config=wrong)

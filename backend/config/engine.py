@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from backend.config.ascend import engine_settings
 from backend.config.kv_transfer import OFFLOADING_CONNECTOR, KVTransferConfig
 from backend.config.speculative import SpeculativeConfig, describe_errors
 
@@ -69,6 +70,9 @@ class EngineConfig:
     # vLLM's: at most this many images in one prompt of a vision-language model, {"image": N} (or {"image":
     # {"count": N}}); a modality left out: 999, vLLM's default (docs/vision.md)
     limit_mm_per_prompt: dict | None = None
+    # vllm-ascend's: its tuning guide's keys, each mapped to what it means here (backend/config/ascend.py,
+    # docs/npu.md section 17), e.g. {"torchair_graph_config": {"enabled": true}}; stored back as given
+    additional_config: dict | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -106,6 +110,9 @@ class EngineConfig:
         def fail(name: str, why: str):
             raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
+        if self.additional_config is not None:  # (first: it sets other fields, checked below)
+            self._apply_additional_config(fail)
+
         if self.device.split(":")[0] not in DEVICE_CHOICES:
             fail("device", f"must be one of {', '.join(DEVICE_CHOICES)}")
         if self.dtype not in DTYPE_CHOICES:
@@ -135,6 +142,16 @@ class EngineConfig:
         self._check_lora(fail)
         if self.limit_mm_per_prompt is not None:
             self._check_mm_limits(fail)
+
+    def _apply_additional_config(self, fail) -> None:
+        if not isinstance(self.additional_config, dict):
+            fail("additional_config", "must be a dict of vllm-ascend's keys (torchair_graph_config, ...)")
+        try:
+            settings = engine_settings(self.additional_config)
+        except ValueError as e:
+            fail("additional_config", str(e))
+        for name, value in settings.items():
+            setattr(self, name, value)
 
     def _check_mm_limits(self, fail) -> None:
         """Stored back as {"image": N}."""
