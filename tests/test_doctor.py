@@ -52,8 +52,12 @@ def test_with_torch_npu_installed(tmp_path):
     pythonpath = os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")])
     cann = tmp_path / "ascend-toolkit"
     cann.mkdir()
-    ready = _doctor(env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann)})
+    ready = _doctor(env={"PYTHONPATH": pythonpath, "ASCEND_HOME_PATH": str(cann), "TASK_QUEUE_ENABLE": "2",
+                         "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE": "1"})
     assert " OK " in _row(ready.stdout, "torch / torch_npu versions"), ready.stdout + ready.stderr
+    assert " OK " in _row(ready.stdout, "torch_npu ops") and "every op of attention" in ready.stdout
+    assert "'2': honoured: torch_npu's operator queue" in _row(ready.stdout, "TASK_QUEUE_ENABLE")
+    assert "'1': not applicable: gone from vllm-ascend too" in _row(ready.stdout, "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE")
     assert " OK " in _row(ready.stdout, "torch.npu.is_available()")
     assert " OK " in _row(ready.stdout, "CANN environment")
     assert " OK " in _row(ready.stdout, "NPU graph mode")
@@ -127,3 +131,21 @@ def test_an_incomplete_model_folder_fails_naming_what_is_missing(tmp_path):
     check = doctor.check_model(str(tmp_path))
     assert check.status == doctor.FAIL and "missing *.safetensors, tokenizer.json" in check.detail
     assert "complete Hugging Face model folder" in check.fix
+
+
+def test_a_torch_npu_without_the_models_ops_fails_naming_the_release(monkeypatch, request, tmp_path):
+    """The ops the model will call (DeepSeek's latent attention: op-plugin 7.2.0's), against a torch_npu 2.5.1.post1."""
+    from backend.entrypoints import doctor
+    from tests.conftest import make_tiny_model
+
+    monkeypatch.setenv("FAKE_TORCH_NPU_VERSION", "2.5.1.post1")
+    request.getfixturevalue("fake_npu")
+    deepseek = make_tiny_model("deepseek_v2", tmp_path / "v2", kv_lora_rank=512, qk_rope_head_dim=64,
+                               qk_nope_head_dim=128, v_head_dim=128)
+    check = doctor.check_npu_ops(str(deepseek), tmp_path, {})
+    assert check.status == doctor.FAIL and "lacks _npu_fused_infer_attention_score_v2_get_max_workspace" in check.detail
+    assert "latent attention (MLA)" in check.detail and check.fix.startswith("install torch_npu 2.6.0.post3, 2.7.1")
+    dense = doctor.check_npu_ops(str(make_tiny_model("llama", tmp_path / "llama")), tmp_path, {})
+    assert dense.status == doctor.OK and "every op of attention" in dense.detail
+    graphs = doctor.check_npu_ops(str(tmp_path / "llama"), tmp_path, {"enforce_eager": False})
+    assert graphs.status == doctor.FAIL and "_npu_paged_attention_get_workspace" in graphs.detail

@@ -145,6 +145,63 @@ def check_npu_graphs(torch_npu) -> Check:
     return Check("NPU graph mode", OK, "NPUGraph, task-group updates, paged-attention workspace")
 
 
+# The environment switches vllm-ascend's guides set, and whether npu-llm (or what it runs on) honours them
+ENV_SWITCHES = {
+    "TASK_QUEUE_ENABLE": "honoured: torch_npu's operator queue reads it",
+    "CPU_AFFINITY_CONF": "honoured: torch_npu binds its threads to cores by it",
+    "PYTORCH_NPU_ALLOC_CONF": "honoured: torch_npu's caching allocator reads it",
+    "HCCL_OP_EXPANSION_MODE": "honoured: HCCL schedules tensor-parallel collectives by it",
+    "VLLM_ASCEND_ENABLE_NZ": "not applicable: W8A8 weights are FRACTAL_NZ always, W8A16's ND (docs/npu.md section 13)",
+    "VLLM_ASCEND_ENABLE_FLASHCOMM": "not applicable: vllm-ascend's sequence-parallel communication, not served",
+    "VLLM_ASCEND_ENABLE_FLASHCOMM1": "not applicable: vllm-ascend's sequence-parallel communication, not served",
+    "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE": "not applicable: gone from vllm-ascend too (v0.13)",
+    "VLLM_ASCEND_ENABLE_PREFETCH_MLP": "not applicable: gone from vllm-ascend too (v0.18)",
+    "VLLM_ASCEND_ENABLE_MLAPO": "not applicable: vllm-ascend's fused MLA preprocessing kernel, not a torch_npu op",
+}
+
+
+def check_env_switches() -> list[Check]:
+    """Each of vllm-ascend's tuning switches set in this environment, said to be honoured or not applicable."""
+    return [Check(name, INFO, f"{os.environ[name]!r}: {meaning}") for name, meaning in ENV_SWITCHES.items()
+            if name in os.environ]
+
+
+def model_kernel_parts(model: str, graphs: bool) -> list[str]:
+    """The parts of a model whose NPU ops npu_llm_kernels.npu_releases names, read from its config.json."""
+    from backend.models.architectures import is_mla, language_config_of, moe_spec
+    from backend.models.loader import load_config
+    from backend.models.registry import resolve_model
+
+    folder = resolve_model(model)
+    config = load_config(folder)
+    text = language_config_of(config)
+    parts = ["attention"] + ["decode graphs"] * graphs
+    parts += ["latent attention (MLA)"] * is_mla(text) + ["mixture of experts"] * (moe_spec(text) is not None)
+    parts += ["vision tower"] * hasattr(text, "vision_language")
+    if getattr(config, "quantization_config", None) or (folder / "quant_model_description.json").exists():
+        parts += ["W8A8", "W8A16"]
+    return parts
+
+
+def check_npu_ops(model: str, repository: Path, engine_args: dict) -> Check:
+    """Whether this torch_npu has every op the model will call (the check the loader makes)."""
+    import torch_npu
+
+    from npu_llm_kernels.npu_releases import NpuReleaseError, require
+
+    try:
+        graphs = not _served(repository, {"model": model, **engine_args}).config.enforce_eager
+        parts = model_kernel_parts(model, graphs)
+    except Exception as e:  # (check_model and check_layout report what is wrong with the model or the repository)
+        return Check("torch_npu ops", WARN, f"the model's parts are unknown ({type(e).__name__})")
+    try:
+        require(torch_npu, parts)
+    except NpuReleaseError as e:
+        problem, _, fix = str(e).partition(": install")
+        return Check("torch_npu ops", FAIL, problem, "install" + fix)
+    return Check("torch_npu ops", OK, f"every op of {', '.join(parts)}")
+
+
 def check_device_files() -> Check:
     files = sorted(glob.glob("/dev/davinci[0-9]*"))
     if not files:
@@ -293,11 +350,14 @@ def run_checks(model: str, repository: Path | None = None, engine_args: dict | N
     from backend.triton.launcher import DEFAULT_REPOSITORY
 
     npu_checks, npu_usable = check_torch_npu()
+    if npu_usable:
+        npu_checks.append(check_npu_ops(model, repository or DEFAULT_REPOSITORY, engine_args or {}))
     return [
         check_numpy(),
         check_npu_smi(),
         check_cann(importlib.util.find_spec("torch_npu") is not None),
         *npu_checks,
+        *check_env_switches(),
         check_device_files(),
         check_cuda(),
         *check_cpu(),
