@@ -20,8 +20,8 @@ def memory_regions(tensors: list[torch.Tensor], protocol: str) -> dict[int, int]
     regions = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     if protocol == "ascend" and len(regions) > MAX_ASCEND_REGIONS:
         raise RuntimeError(f"the KV cache is {len(regions)} separate device allocations, and HCCL registers at most "
-                           f"{MAX_ASCEND_REGIONS} memory regions a process: serve this model's layers over more "
-                           "pipeline or tensor-parallel ranks, or without a Mooncake transfer (docs/npu.md section 16)")
+                           f"{MAX_ASCEND_REGIONS} memory regions a process: serve this model without a Mooncake transfer "
+                           "(docs/npu.md section 16)")
     return regions
 
 
