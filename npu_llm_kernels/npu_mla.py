@@ -9,9 +9,9 @@ backend calls them (docs/npu.md section 12).
   latent as both key and value. Under graph capture it is issued in a task group from a preallocated workspace and
   re-issued with each step's lengths before the replay, as VA's update_graph_params does.
 - Prefill: npu_fused_infer_attention_score (TND, sparse_mode 3: causal aligned at the bottom right) over the
-  up-projected keys and values. VA runs a chunk with a cached prefix as two calls merged by npu_attention_update
-  (its context chunks bound the workspace); npu-llm gives the op the whole context in one call, whose bottom-right
-  causal mask is right for a chunk after its prefix.
+  up-projected keys and values. Chunks after a cached prefix run as VA's _compute_prefill_context runs them: the
+  new tokens causally over themselves, the prefix in chunks of a bounded size without a mask, each call with its
+  softmax LSE, merged by npu_attention_update (the chunks bound the op's workspace).
 The ops' sizes are DeepSeek V2/V3's: a 512 + 64 latent, 128-wide nope queries and values, at most 128 heads.
 """
 from __future__ import annotations
@@ -29,6 +29,11 @@ from npu_llm_kernels.timing import scope
 LATENT, ROPE, HEAD = 512, 64, 128  # the ops' only sizes (docs/npu.md 12.1, 12.3)
 MAX_HEADS = 128
 MASK_SIZE = 2048  # VA's splitfuse mask: [2048, 2048] int8, 1 above the diagonal (attention/attention_mask.py)
+# Context tokens of all a step's sequences in one call at most (VA's chunked-prefill workspace, 128 Ki tokens at most:
+# attention/utils.py ascend_chunked_prefill_workspace_size), and the most LSEs npu_attention_update merges
+CONTEXT_BUDGET = 128 * 1024
+MAX_MERGED = 16
+BLOCK = 128  # the NPU's KV block, which VA rounds its context chunks to
 
 
 class NpuMLA:
@@ -105,7 +110,37 @@ class NpuMLA:
         return out.view(self.query_heads, num_tokens, LATENT)[:self.num_heads].transpose(0, 1)
 
     def prefill(self, q_nope, q_pe, k_nope, k_pe, v, query_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
+        """Each sequence's queries (the last query_lens[i] of its kv_lens[i] keys) over its keys."""
         k_pe = k_pe.expand(-1, self.num_heads, -1)
+        prefixes = [k - q for q, k in zip(query_lens, kv_lens)]
+        if not any(prefixes):
+            return self._attend(q_nope, q_pe, k_nope, k_pe, v, query_lens, kv_lens, causal=True)[0].to(q_nope.dtype)
+        # VA _compute_prefill_context: the new tokens over themselves, then each chunk of the prefixes, merged
+        starts = list(accumulate([0] + kv_lens[:-1]))
+        parts = [self._attend_rows(q_nope, q_pe, k_nope, k_pe, v, query_lens,
+                                   [(s + p, s + k) for s, p, k in zip(starts, prefixes, kv_lens)], causal=True)]
+        chunk = context_chunk(prefixes)
+        for first in range(0, max(prefixes), chunk):
+            spans = [(s + min(first, p), s + min(first + chunk, p)) for s, p in zip(starts, prefixes)]
+            parts.append(self._attend_rows(q_nope, q_pe, k_nope, k_pe, v, query_lens, spans, causal=False))
+        tokens = q_nope.shape[0]
+        with scope("attention.prefill"):
+            # OP: npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type) -> (out, lse): the outputs
+            #   weighted by exp(lse_i - logsumexp(lse)); as VA calls it: fp32 lse [T*N] and out [T*N, D], the new
+            #   tokens' first, update_type 0
+            lses = [lse.reshape(-1) for _, lse in parts]
+            outs = [o.float().reshape(tokens * self.num_heads, -1) for o, _ in parts]
+            out, _ = torch_npu.npu_attention_update(lses, outs, 0)
+        return out.view(tokens, self.num_heads, -1).to(q_nope.dtype)
+
+    def _attend_rows(self, q_nope, q_pe, k_nope, k_pe, v, query_lens, spans, causal: bool):
+        """_attend over each sequence's keys in [start, stop) of the given spans."""
+        rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(k_nope.device)
+        return self._attend(q_nope, q_pe, k_nope[rows], k_pe[rows], v[rows], query_lens, [b - a for a, b in spans],
+                            causal, lse=True)
+
+    def _attend(self, q_nope, q_pe, k_nope, k_pe, v, query_lens, kv_lens, causal: bool, lse: bool = False):
+        """(out in bf16 [T, N, v_head_dim], fp32 lse [T, N, 1] where asked): one call of the fused attention."""
         if self.num_heads == self.query_heads:  # VA: the rope parts as separate arguments
             query, key, rope = q_nope, k_nope, dict(query_rope=q_pe, key_rope=k_pe)
         else:  # VA with padded heads: q and k concatenated to 192, no rope arguments
@@ -116,14 +151,23 @@ class NpuMLA:
         # OP: npu_fused_infer_attention_score(query, key, value, *, atten_mask, actual_seq_lengths,
         #   actual_seq_lengths_kv, ..., query_rope, key_rope, num_heads, scale, input_layout, num_key_value_heads,
         #   sparse_mode, ..., softmax_lse_flag) -> (out, lse). As VA _forward_prefill calls it: TND, cumulative host
-        #   lengths, sparse_mode 3 with the [2048, 2048] mask; lse not asked for (nothing to merge here).
+        #   lengths, sparse_mode 3 with the [2048, 2048] mask; as _compute_prefill_context calls it over a context
+        #   chunk: sparse_mode 0, no mask; the lse where it is merged.
         with scope("attention.prefill"):
-            out, _ = torch_npu.npu_fused_infer_attention_score(
-                **bf16, atten_mask=_causal_mask(q_nope.device), actual_seq_lengths=list(accumulate(query_lens)),
-                actual_seq_lengths_kv=list(accumulate(kv_lens)), num_heads=self.num_heads,
-                num_key_value_heads=self.num_heads, input_layout="TND", sparse_mode=3, scale=self.scale,
-                antiquant_mode=0, antiquant_scale=None, block_table=None, block_size=0, softmax_lse_flag=False)
-        return out.to(q_nope.dtype)
+            return torch_npu.npu_fused_infer_attention_score(
+                **bf16, atten_mask=_causal_mask(q_nope.device) if causal else None,
+                actual_seq_lengths=list(accumulate(query_lens)), actual_seq_lengths_kv=list(accumulate(kv_lens)),
+                num_heads=self.num_heads, num_key_value_heads=self.num_heads, input_layout="TND",
+                sparse_mode=3 if causal else 0, scale=self.scale, antiquant_mode=0, antiquant_scale=None,
+                block_table=None, block_size=0, softmax_lse_flag=lse)
+
+
+def context_chunk(prefixes: list[int]) -> int:
+    """The prefix tokens a sequence's context chunk holds: VA's share of CONTEXT_BUDGET among the sequences with a
+    prefix, in whole blocks, and no smaller than MAX_MERGED - 1 chunks need."""
+    share = CONTEXT_BUDGET // sum(p > 0 for p in prefixes) // BLOCK * BLOCK
+    fewest = cdiv(cdiv(max(prefixes), MAX_MERGED - 1), BLOCK) * BLOCK
+    return max(share, fewest, BLOCK)
 
 
 

@@ -31,9 +31,10 @@ OPS = {
         "npu_swiglu": "7.0.0", "npu_moe_token_unpermute": "7.1.0",
     },
     "latent attention (MLA)": {
-        "npu_kv_rmsnorm_rope_cache": "7.0.0", "npu_interleave_rope": "7.0.0", "npu_fused_infer_attention_score": "7.0.0",
+        "npu_kv_rmsnorm_rope_cache": "7.0.0", "npu_interleave_rope": "7.0.0",
+        "npu_fused_infer_attention_score": "7.0.0",
         "npu_fused_infer_attention_score_v2": "7.2.0", "npu_fused_infer_attention_score_v2.out": "7.2.0",
-        "_npu_fused_infer_attention_score_v2_get_max_workspace": "7.2.0",
+        "_npu_fused_infer_attention_score_v2_get_max_workspace": "7.2.0", "npu_attention_update": "7.2.0",
     },
     "W8A8": {"npu_dynamic_quant": "7.0.0", "npu_quantize": "7.0.0", "npu_quant_matmul": "7.0.0",
              "npu_trans_quant_param": "7.0.0", "npu_format_cast": "7.0.0"},

@@ -112,6 +112,43 @@ def test_shapes_the_npu_ops_do_not_take_are_refused_at_load(fake_npu, tmp_path):
         load_model(make_tiny_model("deepseek_v2", tmp_path / "v2"), ops_for("npu"), device="npu", dtype="bfloat16")
 
 
+@pytest.mark.parametrize("heads", [4, 3])
+def test_prefill_after_a_cached_prefix_merges_context_chunks(fake_npu, monkeypatch, heads):
+    """VA's _compute_prefill_context: the new tokens over themselves, the prefix in chunks (a budget of 256 context
+    tokens a call here: chunks of 128 for two sequences with a prefix), merged by npu_attention_update; the result is
+    causal attention over the whole context, as one call computes it (in fp32 here)."""
+    from npu_llm_kernels import npu_mla
+
+    monkeypatch.setattr(npu_mla, "CONTEXT_BUDGET", 256)
+    torch.manual_seed(0)
+    query_lens, kv_lens = [5, 7, 3], [300, 7, 130]  # prefixes of 295, 0 and 127 tokens: 3 context chunks
+    tokens, keys = sum(query_lens), sum(kv_lens)
+    q_nope, q_pe = torch.randn(tokens, heads, 128), torch.randn(tokens, heads, 64)
+    k_nope, k_pe, v = torch.randn(keys, heads, 128), torch.randn(keys, 1, 64), torch.randn(keys, heads, 128)
+    scale = 192 ** -0.5
+    mla = npu_mla.NpuMLA(None, heads, 512, 64, scale)
+    out = mla.prefill(*(t.bfloat16().to("npu") for t in (q_nope, q_pe, k_nope, k_pe, v)), query_lens, kv_lens)
+    assert fake_npu.calls["npu_fused_infer_attention_score"] == 4 and fake_npu.calls["npu_attention_update"] == 1
+    expected, q_start, k_start = [], 0, 0
+    for q_len, kv_len in zip(query_lens, kv_lens):
+        q = torch.cat((q_nope, q_pe), -1)[q_start:q_start + q_len].bfloat16().float()
+        k = torch.cat((k_nope, k_pe.expand(-1, heads, -1)), -1)[k_start:k_start + kv_len].bfloat16().float()
+        scores = torch.einsum("qnd,knd->nqk", q, k) * scale
+        future = torch.arange(kv_len)[None, :] > torch.arange(q_len)[:, None] + (kv_len - q_len)
+        weights = scores.masked_fill(future, float("-inf")).softmax(-1)
+        expected.append(torch.einsum("nqk,knd->qnd", weights, v[k_start:k_start + kv_len].bfloat16().float()))
+        q_start, k_start = q_start + q_len, k_start + kv_len
+    torch.testing.assert_close(out.cpu().float(), torch.cat(expected), atol=2e-2, rtol=2e-2)
+
+
+def test_the_context_chunks_stay_within_the_merge_ops_16_parts(fake_npu):
+    from npu_llm_kernels.npu_mla import context_chunk
+
+    assert context_chunk([300, 0, 127]) == 64 * 1024  # (VA's budget shared by the two with a prefix)
+    assert context_chunk([2_000_000]) == 133_376  # 15 chunks of whole blocks: 16 parts with the new tokens'
+    assert context_chunk([10] * 4096) == 128
+
+
 @pytest.fixture
 def torch_npu_2_5_1(monkeypatch, request):
     """The fake playing torch_npu 2.5.1.post1 (op-plugin 7.1.0): no npu_fused_infer_attention_score_v2 and no

@@ -646,6 +646,7 @@ def _autoload() -> None:
 # DeepSeek's latent attention (after the helpers above, which _mla uses)
 from ._mla import (  # noqa: E402, F401
     _npu_fused_infer_attention_score_v2_get_max_workspace,
+    npu_attention_update,
     npu_fused_infer_attention_score,
     npu_fused_infer_attention_score_v2,
     npu_interleave_rope,
@@ -667,7 +668,7 @@ from ._quant import (  # noqa: E402, F401  (W8A8, W8A16)
 # 2.5.1 is op-plugin 7.0.0, 2.5.1.post1 and 2.6.0 are 7.1.0; later releases have them all.
 _ADDED = {"7.1.0": ["npu_moe_token_unpermute"],
           "7.2.0": ["npu_fused_infer_attention_score_v2", "_npu_fused_infer_attention_score_v2_get_max_workspace",
-                    "_npu_paged_attention_get_workspace"]}
+                    "npu_attention_update", "_npu_paged_attention_get_workspace"]}
 _LINE = {"2.5.1": "7.0.0", "2.5.1.post1": "7.1.0", "2.6.0": "7.1.0"}.get(__version__)
 for _added_in, _names in _ADDED.items():
     if _LINE is not None and _LINE < _added_in:

@@ -173,6 +173,38 @@ def _attend(q, k, v, scale, causal: bool):
     return torch.einsum("nqk,knd->qnd", (scores - lse[..., None]).exp(), v), lse.transpose(0, 1)
 
 
+def npu_attention_update(lse, local_out, update_type):
+    """The doc's merge of attention computed over parts of the keys: m = max lse_i, L = m + log sum exp(lse_i - m),
+    O = sum O_i exp(lse_i - L); update_type 1 also returns L."""
+    name = "npu_attention_update"
+    _count(name)
+    _require(isinstance(lse, (list, tuple)) and isinstance(local_out, (list, tuple)) and len(lse) == len(local_out),
+             f"{name}: lse and local_out are lists of one length")
+    _require(1 <= len(lse) <= 16, f"{name}: 1 to 16 parts (SP), got {len(lse)}")
+    _require(update_type in (0, 1), f"{name}: update_type must be 0 or 1, got {update_type}")
+    rows, dim = local_out[0].shape if local_out[0].dim() == 2 else (None, None)
+    for i, (l, o) in enumerate(zip(lse, local_out)):
+        _on_device(name, lse=l, local_out=o)
+        _require(l.dtype == torch.float32 and l.dim() == 1, f"{name}: lse[{i}] must be 1-D float32, got "
+                                                            f"{l.dim()}-D {l.dtype}")
+        _require(o.dtype == torch.float32 and o.dim() == 2 and o.shape == (rows, dim) and l.shape == (rows,),
+                 f"{name}: local_out[{i}] must be float32 [rows, D] beside its lse [rows], all parts alike")
+    _require(8 <= dim <= 512 and dim % 8 == 0, f"{name}: head_dim must be a multiple of 8 in [8, 512], got {dim}")
+    out = torch.empty(rows, dim, dtype=torch.float32, device=local_out[0].device)
+    total = torch.empty(rows if update_type == 1 else 0, dtype=torch.float32, device=out.device)
+    _graphs.launch(_merge, ("out", "total"), lse=list(lse), local_out=list(local_out), out=out, total=total)
+    return out, total
+
+
+def _merge(lse, local_out, out, total):
+    stacked = torch.stack(lse)  # [SP, rows]
+    merged = stacked.logsumexp(0)
+    weights = (stacked - merged).exp().nan_to_num(0.0)  # (a part with no keys: lse -inf, weight 0)
+    out.copy_(sum(w[:, None] * o for w, o in zip(weights, local_out)))
+    if total.numel():
+        total.copy_(merged)
+
+
 def _check_latent_decode(name, query, key, value, query_rope, key_rope, atten_mask, actual_seq_qlen,
                          actual_seq_kvlen, block_table, num_query_heads, num_key_value_heads, input_layout,
                          sparse_mode, block_size, others) -> list[int]:
