@@ -196,8 +196,8 @@ def _capture_paged_attention(args: dict, capture: GraphCapture) -> None:
     issued inside graph_task_group_begin/end and, before each replay, re-issued with the
     step's lengths inside graph_task_update_begin/end (vllm-ascend compilation/acl_graph.py
     _update_attn_pa_params). Under capture the op needs a preallocated workspace (the op-plugin
-    master schema's `workspace=` and _npu_paged_attention_get_workspace; torch_npu 2.5.1, op-plugin
-    7.1.0, lacks both). One workspace serves every layer of the graph, as in vllm-ascend.
+    schema's `workspace=` and _npu_paged_attention_get_workspace, from op-plugin 7.2.0 on: torch_npu 2.5.1.post1 and
+    older lack both). One workspace serves every layer of the graph, as in vllm-ascend.
     """
     if not hasattr(torch_npu, "_npu_paged_attention_get_workspace"):
         raise RuntimeError(

@@ -60,7 +60,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 # Without per-token scales an fp16 output takes an int32 bias only, added to the int32 sums: the
                 # float bias over deq_scale (an msModelSlim layer's quant_bias again, exactly, as its fold made it).
                 bias = torch.round(bias / deq_scale).to(torch.int32)
-            # ... and, in graph mode, an int64 scale only (the op's doc): the form msModelSlim stores deq_scale in
+            # ... and, in graph mode, an int64 scale only (the op's doc): npu_trans_quant_param's
             deq_scale = torch_npu.npu_trans_quant_param(deq_scale)
         y = torch_npu.npu_quant_matmul(quantized, weight, deq_scale, bias=bias, output_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[1])

@@ -142,10 +142,13 @@ def test_a_torch_npu_without_the_models_ops_fails_naming_the_release(monkeypatch
     request.getfixturevalue("fake_npu")
     deepseek = make_tiny_model("deepseek_v2", tmp_path / "v2", kv_lora_rank=512, qk_rope_head_dim=64,
                                qk_nope_head_dim=128, v_head_dim=128)
-    check = doctor.check_npu_ops(str(deepseek), tmp_path, {})
+    repository = tmp_path / "model_repository"
+    (repository / "llm" / "1").mkdir(parents=True)
+    (repository / "llm" / "1" / "model.json").write_text(f'{{"model": "{deepseek}"}}')
+    check = doctor.check_npu_ops(repository, {})
     assert check.status == doctor.FAIL and "lacks _npu_fused_infer_attention_score_v2_get_max_workspace" in check.detail
     assert "latent attention (MLA)" in check.detail and check.fix.startswith("install torch_npu 2.6.0.post3, 2.7.1")
-    dense = doctor.check_npu_ops(str(make_tiny_model("llama", tmp_path / "llama")), tmp_path, {})
-    assert dense.status == doctor.OK and "every op of attention" in dense.detail
-    graphs = doctor.check_npu_ops(str(tmp_path / "llama"), tmp_path, {"enforce_eager": False})
+    dense = doctor.check_npu_ops(repository, {"model": str(make_tiny_model("llama", tmp_path / "llama"))})
+    assert dense.status == doctor.OK and "every op of attention (llama)" in dense.detail
+    graphs = doctor.check_npu_ops(repository, {"model": str(tmp_path / "llama"), "enforce_eager": False})
     assert graphs.status == doctor.FAIL and "_npu_paged_attention_get_workspace" in graphs.detail

@@ -652,16 +652,19 @@ def test_vllm_ascends_additional_config_is_read_as_it_means_here(fake_npu, caplo
     from backend.config import EngineConfig
 
     tuning_guide = {"torchair_graph_config": {"enabled": True, "use_cached_graph": True, "enable_super_kernel": True},
-                    "chunked_prefill_for_mla": False, "enable_weight_nz_layout": True}
+                    "chunked_prefill_for_mla": True, "enable_weight_nz_layout": True}
     with caplog.at_level("INFO", logger="backend.config.ascend"):
-        config = EngineConfig(device="npu", additional_config=tuning_guide)
-    assert config.enforce_eager is False and config.enable_chunked_prefill is False
+        config = EngineConfig(device="npu", enable_chunked_prefill=False, additional_config=tuning_guide)
+    assert config.enforce_eager is False and config.enable_chunked_prefill is True
+    assert EngineConfig(additional_config={"chunked_prefill_for_mla": False}).enable_chunked_prefill is True
     assert "torchair is gone from vllm-ascend" in caplog.text and "use_cached_graph" in caplog.text
     with LLM(device="npu", dtype="bfloat16", num_kv_blocks=8, max_num_seqs=2, max_model_len=256,
              additional_config={"torchair_graph_config": {"enabled": True}}) as llm:
         assert llm.engine.runner.decode_graphs is not None
+    with pytest.raises(ValueError, match="enable_lora: .*leave additional_config's torchair_graph_config.enabled out"):
+        EngineConfig(device="npu", enable_lora=True, additional_config=tuning_guide).finalize("npu", 4096)
     for wrong, message in [({"torchair_graph_config": {"enable": True}}, "torchair_graph_config.enable: not a key"),
-                           ({"enable_flashcomm": 1}, "enable_flashcomm: not a key of vllm-ascend's"),
+                           ({"enable_flashcomm": 1}, "enable_flashcomm: not a key npu-llm serves"),
                            ({"enable_weight_nz_layout": False}, "casts W8A8 weights to FRACTAL_NZ always"),
                            ({"chunked_prefill_for_mla": "yes please"}, "chunked_prefill_for_mla: Input should be")]:
         with pytest.raises(ValueError, match=message):

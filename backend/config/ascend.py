@@ -1,13 +1,16 @@
 """additional_config: vllm-ascend's engine argument, read as vllm-ascend reads it (ascend_config.py), each key mapped
-to what it means here (docs/npu.md section 17). Keys vllm-ascend has never had are refused by name (extra="forbid"),
-where vllm-ascend ignores them, so that a typo never silently changes nothing. Pydantic only, no torch.
+to what it means here (docs/npu.md section 17). Any other key, a typo or a key of vllm-ascend's npu-llm does not
+serve, is refused by name (extra="forbid"), where vllm-ascend ignores unknown keys, so that none silently changes
+nothing. Pydantic only, no torch.
 
     {"torchair_graph_config": {"enabled": true}, "chunked_prefill_for_mla": true}
 
 - torchair_graph_config.enabled: graph mode. vllm-ascend dropped torchair in December 2025 (#4814) for ACL graphs,
-  which npu-llm captures for decode steps: enabled means enforce_eager=False. Its other keys tune torchair's
-  compiler (cached graphs, multistream, super kernels, view and frozen-parameter passes): accepted, with no effect.
-- chunked_prefill_for_mla: enable_chunked_prefill (npu-llm's chunked prefill serves every model, MLA's too).
+  which npu-llm captures for decode steps: enabled means enforce_eager=False, whatever enforce_eager says (vllm-ascend
+  refuses the two together). Its other keys tune torchair's compiler (cached graphs, multistream, super kernels,
+  view and frozen-parameter passes): accepted, with no effect.
+- chunked_prefill_for_mla: true turns enable_chunked_prefill on; false changes nothing (npu-llm's chunked prefill is
+  one switch for every model, MLA's included: enable_chunked_prefill turns it off).
 - enable_weight_nz_layout: npu-llm casts W8A8 weights to FRACTAL_NZ always (vllm-ascend's weight_nz_mode 1); W8A16's
   stay ND, which an eager call needs (docs/npu.md section 13). true is what happens; false is refused.
 - ascend_scheduler_config: vllm-ascend's scheduler, gone upstream since v0.12: npu-llm schedules as vLLM's v1 does
@@ -55,7 +58,9 @@ class AdditionalConfig(_Strict):
 
 
 def _reason(error: dict) -> str:
-    return "not a key of vllm-ascend's additional_config" if error["type"] == "extra_forbidden" else error["msg"]
+    if error["type"] == "extra_forbidden":
+        return "not a key npu-llm serves of vllm-ascend's additional_config (docs/npu.md section 17)"
+    return error["msg"]
 
 
 def engine_settings(additional_config: dict) -> dict:
@@ -76,8 +81,8 @@ def engine_settings(additional_config: dict) -> dict:
                  "no effect", ", ".join(tuned))
     if config.ascend_scheduler_config is not None:
         log.info("additional_config: ascend_scheduler_config: npu-llm schedules as vLLM's v1 does: no effect")
-    if config.chunked_prefill_for_mla is not None:
-        settings["enable_chunked_prefill"] = config.chunked_prefill_for_mla
+    if config.chunked_prefill_for_mla:
+        settings["enable_chunked_prefill"] = True
     if config.enable_weight_nz_layout is False:
         raise ValueError("enable_weight_nz_layout: false is not served: npu-llm casts W8A8 weights to FRACTAL_NZ "
                          "always (vllm-ascend's default), and keeps W8A16's in ND")

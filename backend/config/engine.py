@@ -153,6 +153,12 @@ class EngineConfig:
         for name, value in settings.items():
             setattr(self, name, value)
 
+    def _eager_fix(self) -> str:
+        """How to run eagerly: additional_config's torchair_graph_config.enabled sets graph mode over enforce_eager."""
+        torchair = (self.additional_config or {}).get("torchair_graph_config") or {}
+        return ("leave additional_config's torchair_graph_config.enabled out" if torchair.get("enabled")
+                else "set enforce_eager=true")
+
     def _check_mm_limits(self, fail) -> None:
         """Stored back as {"image": N}."""
         if not isinstance(self.limit_mm_per_prompt, dict):
@@ -240,12 +246,12 @@ class EngineConfig:
             self.enforce_eager = True
         if self.speculative_config is not None and self.speculative.method == "eagle3" and not self.enforce_eager:
             raise ValueError("speculative_config: EAGLE-3 reads three target layers' inputs, which decode graphs do not "
-                             "keep yet; set enforce_eager=true")
+                             f"keep yet; {self._eager_fix()}")
         if self.enable_lora and not self.enforce_eager:
-            raise ValueError("enable_lora: decode graphs do not capture the adapters yet; set enforce_eager=true")
+            raise ValueError(f"enable_lora: decode graphs do not capture the adapters yet; {self._eager_fix()}")
         if self.tensor_parallel_size > 1 and not self.enforce_eager:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: decode graphs do not capture the "
-                             "all-reduce yet; set enforce_eager=true")
+                             f"all-reduce yet; {self._eager_fix()}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -183,23 +183,23 @@ def model_kernel_parts(model: str, graphs: bool) -> list[str]:
     return parts
 
 
-def check_npu_ops(model: str, repository: Path, engine_args: dict) -> Check:
-    """Whether this torch_npu has every op the model will call (the check the loader makes)."""
+def check_npu_ops(repository: Path, engine_args: dict) -> Check:
+    """Whether this torch_npu has every op the repository's model will call (the check the loader makes)."""
     import torch_npu
 
     from npu_llm_kernels.npu_releases import NpuReleaseError, require
 
     try:
-        graphs = not _served(repository, {"model": model, **engine_args}).config.enforce_eager
-        parts = model_kernel_parts(model, graphs)
+        served = _served(repository, engine_args).config
+        parts = model_kernel_parts(served.model, graphs=not served.enforce_eager)
     except Exception as e:  # (check_model and check_layout report what is wrong with the model or the repository)
-        return Check("torch_npu ops", WARN, f"the model's parts are unknown ({type(e).__name__})")
+        return Check("torch_npu ops", WARN, f"the served model's parts are unknown ({type(e).__name__})")
     try:
         require(torch_npu, parts)
     except NpuReleaseError as e:
         problem, _, fix = str(e).partition(": install")
         return Check("torch_npu ops", FAIL, problem, "install" + fix)
-    return Check("torch_npu ops", OK, f"every op of {', '.join(parts)}")
+    return Check("torch_npu ops", OK, f"every op of {', '.join(parts)} ({Path(served.model).name})")
 
 
 def check_device_files() -> Check:
@@ -351,7 +351,7 @@ def run_checks(model: str, repository: Path | None = None, engine_args: dict | N
 
     npu_checks, npu_usable = check_torch_npu()
     if npu_usable:
-        npu_checks.append(check_npu_ops(model, repository or DEFAULT_REPOSITORY, engine_args or {}))
+        npu_checks.append(check_npu_ops(repository or DEFAULT_REPOSITORY, engine_args or {}))
     return [
         check_numpy(),
         check_npu_smi(),

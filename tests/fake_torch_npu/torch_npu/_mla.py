@@ -199,7 +199,8 @@ def npu_attention_update(lse, local_out, update_type):
 def _merge(lse, local_out, out, total):
     stacked = torch.stack(lse)  # [SP, rows]
     merged = stacked.logsumexp(0)
-    weights = (stacked - merged).exp().nan_to_num(0.0)  # (a part with no keys: lse -inf, weight 0)
+    empty = stacked == float("-inf")  # a part with no keys: weight 0 (the other NaNs a bug may make still show)
+    weights = torch.where(empty, 0.0, stacked - merged).exp().masked_fill(empty, 0.0)
     out.copy_(sum(w[:, None] * o for w, o in zip(weights, local_out)))
     if total.numel():
         total.copy_(merged)
