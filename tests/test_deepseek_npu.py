@@ -8,6 +8,8 @@ rope_interleave false, which the loader turns into pairs for the NPU's rotary op
 heads and without one (decode pads the heads, prefill takes q and k concatenated)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -160,13 +162,14 @@ def torch_npu_2_5_1(monkeypatch, request):
 def test_a_torch_npu_without_the_mla_ops_is_refused_before_any_weight(torch_npu_2_5_1, tmp_path):
     assert torch_npu_2_5_1.__version__ == "2.5.1.post1"
     assert not hasattr(torch_npu_2_5_1, "npu_fused_infer_attention_score_v2")
+    gc.collect()  # (the tensors earlier tests left to the collector go now, not during the load)
     allocated = torch.npu.memory_allocated()
     with pytest.raises(ModelLoadError, match="torch_npu 2.5.1.post1 lacks .*npu_fused_infer_attention_score_v2.*, "
                                              "which latent attention \\(MLA\\) call on the NPU: install torch_npu "
                                              "2.6.0.post3, 2.7.1 or 2.8.0 \\(CANN 8.3.RC1\\) or later"):
         load_model(make_tiny_model("deepseek_v2", tmp_path / "v2", **NPU_SHAPE), ops_for("npu"), device="npu",
                    dtype="bfloat16")
-    assert torch.npu.memory_allocated() == allocated
+    assert torch.npu.memory_allocated() <= allocated
     # a dense model's ops are all in that release
     model, _, _ = load_model(make_tiny_model("llama", tmp_path / "llama"), ops_for("npu"), device="npu",
                              dtype="bfloat16")
