@@ -214,7 +214,9 @@ def test_up_disaggregated_1p1d_serves_through_the_proxy_and_sigterm_stops_all(tm
         if kv_pool:
             assert "KV pool      Mooncake master" in ready
             prefill = TritonMetrics(f"http://127.0.0.1:{ports['metrics']}/metrics")
-            assert prefill.metric("npu_llm:kv_transfer_saved_blocks_total") >= 4
+            # (the prefill server counts its save after the put returns, and publishes its metrics apart: the decode
+            # server may have loaded the blocks first)
+            assert prefill.wait_metric("npu_llm:kv_transfer_saved_blocks_total", lambda v: v >= 4) >= 4
             hits = decode.metric("vllm:external_prefix_cache_hits_total")
             assert hits >= 4 * 16
             rate = round(hits / decode.metric("vllm:external_prefix_cache_queries_total") * 100)
