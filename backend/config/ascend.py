@@ -56,6 +56,11 @@ class AdditionalConfig(_Strict):
     chunked_prefill_for_mla: bool | None = None
     enable_weight_nz_layout: bool | None = None
 
+    @property
+    def sets_graph_mode(self) -> bool:
+        """torchair_graph_config.enabled: graph mode, over enforce_eager."""
+        return self.torchair_graph_config is not None and self.torchair_graph_config.enabled
+
 
 def _reason(error: dict) -> str:
     if error["type"] == "extra_forbidden":
@@ -63,15 +68,20 @@ def _reason(error: dict) -> str:
     return error["msg"]
 
 
-def engine_settings(additional_config: dict) -> dict:
-    """The EngineConfig fields additional_config sets (ValueError naming a key that is unknown or not served)."""
+def parse(additional_config: dict) -> AdditionalConfig:
+    """additional_config read (ValueError naming a key that is unknown or not served)."""
     try:
-        config = AdditionalConfig.model_validate(additional_config)
+        return AdditionalConfig.model_validate(additional_config)
     except ValidationError as e:
         raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {_reason(err)}" for err in e.errors())) from None
+
+
+def engine_settings(additional_config: dict) -> dict:
+    """The EngineConfig fields additional_config sets (ValueError naming a key that is unknown or not served)."""
+    config = parse(additional_config)
     settings = {}
     torchair = config.torchair_graph_config
-    if torchair is not None and torchair.enabled:
+    if config.sets_graph_mode:
         log.info("additional_config: torchair_graph_config.enabled: torchair is gone from vllm-ascend (#4814); "
                  "npu-llm captures ACL graphs of decode steps instead (enforce_eager=False)")
         settings["enforce_eager"] = False

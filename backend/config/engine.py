@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from backend.config.ascend import engine_settings
+from backend.config.ascend import parse as parse_additional_config
 from backend.config.kv_transfer import OFFLOADING_CONNECTOR, KVTransferConfig
 from backend.config.speculative import SpeculativeConfig, describe_errors
 
@@ -155,9 +156,9 @@ class EngineConfig:
 
     def _eager_fix(self) -> str:
         """How to run eagerly: additional_config's torchair_graph_config.enabled sets graph mode over enforce_eager."""
-        torchair = (self.additional_config or {}).get("torchair_graph_config") or {}
-        return ("leave additional_config's torchair_graph_config.enabled out" if torchair.get("enabled")
-                else "set enforce_eager=true")
+        if self.additional_config is not None and parse_additional_config(self.additional_config).sets_graph_mode:
+            return "leave additional_config's torchair_graph_config.enabled out"
+        return "set enforce_eager=true"
 
     def _check_mm_limits(self, fail) -> None:
         """Stored back as {"image": N}."""

@@ -42,19 +42,19 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, platform: Platform, block_size: int, scratch_block: int,
-                 max_num_seqs: int, max_len: int):
+                 dropped_block: int | None, max_num_seqs: int, max_len: int):
+        """dropped_block: the scratch block where the kernels skip its slots (the runner's), else None."""
         if platform.graph_api is None:
             raise ValueError(f"torch has no device graphs on {platform.name}")
         self.model, self.kv_caches, self.platform = model, kv_caches, platform
-        self.block_size, self.scratch_block = block_size, scratch_block
-        self.dropped_block = scratch_block if model.ops.SKIPS_PAD_SLOTS else None
+        self.block_size, self.scratch_block, self.dropped_block = block_size, scratch_block, dropped_block
         self.batch_sizes = capture_sizes(max_num_seqs)
         self.widths = model.ops.decode_graph_widths(max_len, block_size)
         size, max_blocks, device = self.batch_sizes[-1], cdiv(max_len, block_size), platform.device
         # The inputs every graph reads; padding rows point at the scratch block with one token of context.
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        padding_slot = PAD_SLOT_ID if model.ops.SKIPS_PAD_SLOTS else scratch_block * block_size
+        padding_slot = scratch_block * block_size if dropped_block is None else PAD_SLOT_ID
         self.slot_mapping = torch.full((size,), padding_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((size, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(size, dtype=torch.int32, device=device)

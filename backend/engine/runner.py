@@ -127,7 +127,7 @@ class ModelRunner:
     def build_decode_graphs(self, platform: Platform, max_num_seqs: int, max_len: int) -> DecodeGraphs:
         """Decode graphs captured against the current KV tensors (not installed: see capture_decode_graphs)."""
         graphs = DecodeGraphs(self.model, self.kv_caches, platform, self.block_size, self.scratch_block,
-                              max_num_seqs, max_len)
+                              self.dropped_block, max_num_seqs, max_len)
         graphs.capture()
         return graphs
 
