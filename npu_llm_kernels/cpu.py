@@ -319,7 +319,19 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping: torch.Te
 
 
 def paged_attention(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
-    return torch_ref.attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention)
+    return torch_ref.attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention,
+                            prefill_attention)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch_ref.prefill_attention; in bf16 on an AVX512-BF16 build, csrc/prefill_attention_avx512.cpp (3-6x torch's
+    CPU flash attention on head dims of 64 and a few hundred tokens, where its per-block library calls dominate)."""
+    ext = _extension()
+    if (ext is None or not ext.has_prefill_attention() or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16
+            or v.dtype != torch.bfloat16 or q.shape[-1] % 2 or v.shape[-1] % 16 or q.stride(-1) != 1
+            or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return torch_ref.prefill_attention(q, k, v, scale)
+    return ext.prefill_attention(q, k, v, scale)
 
 
 # Fused elementwise ops (csrc/fused_ops_cpu.cpp, silu_and_mul_cpu.cpp): one pass over memory each instead of

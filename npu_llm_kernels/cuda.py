@@ -21,6 +21,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     pack_lora_weights,
     pack_linear_weight,
     paged_attention,
+    prefill_attention,
     require_ops,
     reshape_and_cache,
     rms_norm,

@@ -71,8 +71,8 @@ class PortableMLA:
         out, q_start, k_start = [], 0, 0
         with scope("attention.prefill"):
             for q_len, kv_len in zip(query_lens, kv_lens):
-                out.append(torch_ref.prefill_attention(query[q_start:q_start + q_len], key[k_start:k_start + kv_len],
-                                             v[k_start:k_start + kv_len], self.scale))
+                out.append(self.ops.prefill_attention(query[q_start:q_start + q_len], key[k_start:k_start + kv_len],
+                                                      v[k_start:k_start + kv_len], self.scale))
                 q_start, k_start = q_start + q_len, k_start + kv_len
         return torch.cat(out)
 
@@ -85,6 +85,6 @@ class PortableMLA:
             for (kv_c, k_pe), q_len in zip(contexts, query_lens):
                 query = torch.cat((q_latent[start:start + q_len], q_pe[start:start + q_len]), dim=-1)
                 latent = kv_c.unsqueeze(1)
-                out.append(torch_ref.prefill_attention(query, torch.cat((latent, k_pe), dim=-1), latent, self.scale))
+                out.append(self.ops.prefill_attention(query, torch.cat((latent, k_pe), dim=-1), latent, self.scale))
                 start += q_len
         return torch.cat(out)

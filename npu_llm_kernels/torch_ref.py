@@ -160,8 +160,11 @@ def paged_attention(
     return attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention)
 
 
-def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode) -> torch.Tensor:
-    """paged_attention with the decode part (one batched call for the leading one-token sequences) pluggable."""
+def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode,
+           prefill=None) -> torch.Tensor:
+    """paged_attention with the decode part (one batched call for the leading one-token sequences) and the
+    prefill part (one call a sequence, prefill_attention's signature) pluggable."""
+    prefill = prefill or prefill_attention
     nd = metadata.num_decodes
     if nd == len(metadata.query_lens):  # a decode-only step: the decode kernel's output is the whole result
         with scope("attention.decode"):
@@ -180,7 +183,7 @@ def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadat
                 blocks = metadata.block_tables[i, : cdiv(ctx_len, metadata.block_size)]
                 k = gather_kv(key_cache, blocks)[:ctx_len]
                 v = gather_kv(value_cache, blocks)[:ctx_len]
-            out[start : start + q_len] = prefill_attention(query[start : start + q_len], k, v, scale)
+            out[start : start + q_len] = prefill(query[start : start + q_len], k, v, scale)
             start += q_len
     return out
 

@@ -106,6 +106,35 @@ def test_cpu_decode_kernel_at_the_head_dims_it_vectorizes(dtype, head_dim, num_k
     torch.testing.assert_close(ours.float(), reference.float(), **tolerance)
 
 
+@pytest.mark.parametrize("head_dim, v_head_dim, num_kv_heads, group", [(64, 64, 3, 3), (128, 128, 2, 4),
+                                                                      (192, 128, 4, 1), (576, 512, 1, 4), (34, 48, 1, 2)])
+@pytest.mark.parametrize("q_len, ctx", [(1, 1), (13, 13), (300, 300), (7, 77), (30, 61), (1, 40)])
+def test_cpu_prefill_kernel_at_the_shapes_it_tiles(head_dim, v_head_dim, num_kv_heads, group, q_len, ctx, cpu_level):
+    # csrc/prefill_attention_avx512.cpp (AVX512-BF16 builds; the others take torch's kernel): blocks of 12 queries and
+    # tiles of 32 keys, both cut short; output columns 64 at a time, then 16 (48); a cached prefix before the queries
+    # (ctx > q_len), odd contexts; MLA's shapes (q/k 192 against v 128, and the absorbed form's latent rows, 576 and
+    # 512). q, k and v are views with strided rows, as the model's fused projections give them.
+    torch.manual_seed(q_len * 1000 + ctx)
+    heads = num_kv_heads * group
+    q = torch.randn(q_len, heads, head_dim + 6, dtype=torch.bfloat16)[..., 3:head_dim + 3]
+    k = torch.randn(ctx, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn(ctx, 2 * num_kv_heads, v_head_dim, dtype=torch.bfloat16)[:, ::2]
+    scale = head_dim**-0.5
+    ours = cpu.prefill_attention(q, k, v, scale)
+    torch_kernel = torch_ref.prefill_attention(q, k, v, scale)
+    reference = _dense_attention(q.float(), k.float(), v.float(), scale)
+    assert ours.shape == reference.shape and ours.dtype == torch.bfloat16
+    # within bf16's rounding of the output, as torch's own kernel is
+    tolerance = dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ours.float(), reference, **tolerance)
+    torch.testing.assert_close(torch_kernel.float(), reference, **tolerance)
+
+
+def test_cpu_prefill_kernel_is_the_avx512_bf16_builds(cpu_level):
+    # the test above runs the kernel wherever the build has it, and torch's elsewhere
+    assert cpu.compiled().has_prefill_attention() == (cpu_features().build == "avx512_bf16")
+
+
 def test_cpu_decode_kernel_builds_here(cpu_level):
     # without it the "cpu" cases above would silently test torch_ref twice
     assert cpu.compiled() is not None

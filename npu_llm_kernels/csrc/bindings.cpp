@@ -28,6 +28,8 @@ const char* compiled_isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa, "the ISA this module was compiled for");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
+  m.def("has_prefill_attention", &has_prefill_attention, "whether this build has prefill_attention");
   m.def("reshape_and_cache", &reshape_and_cache, "write new K/V rows into their cache slots, in place");
   m.def("rms_norm", &rms_norm, "RMSNorm, fused");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, fused; returns (normed, summed)");

@@ -25,6 +25,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 // `out` and returns true; false leaves the call to the portable kernel.
 bool paged_decode_attention_avx512(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, float scale);
+// Causal prefill attention of one sequence, bf16 (csrc/prefill_attention_avx512.cpp): q [q_len, heads, D] are the
+// last q_len of the ctx tokens of k [ctx, kv_heads, D] and v [ctx, kv_heads, Dv]; returns [q_len, heads, Dv].
+// AVX512-BF16 builds only (has_prefill_attention says whether this build has it).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+bool has_prefill_attention();
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
