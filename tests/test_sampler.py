@@ -217,6 +217,28 @@ def test_draws_follow_softmax_after_filters(params):
     assert chi2 < CHI2_999[len(expected) - 1], (chi2, expected)
 
 
+def test_draws_over_a_vocabulary_of_many_blocks_follow_softmax():
+    """The draw sums its running totals a block of tokens at a time (sampler.CDF_BLOCK): tokens at both ends of
+    blocks, in the first and the last (cut short) block, and none between them, drawn at their probabilities."""
+    from backend.engine.sampler import CDF_BLOCK
+
+    torch.manual_seed(99)
+    live = [0, CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK + 44, 2 * CDF_BLOCK - 1, 3 * CDF_BLOCK, 4 * CDF_BLOCK + 3,
+            4 * CDF_BLOCK + 4, 4 * CDF_BLOCK + 9, 4 * CDF_BLOCK + 10]
+    vocab = 4 * CDF_BLOCK + 11
+    logits = torch.full((1, vocab), float("-inf"))
+    logits[0, live] = torch.randn(len(live), generator=torch.Generator().manual_seed(5))
+    expected = dict(zip(live, logits[0, live].softmax(-1).tolist()))
+    batch, counts = 4000, torch.zeros(vocab)
+    for _ in range(5):
+        tokens = _tokens(logits.expand(batch, -1).clone(), [_request(temperature=1.0) for _ in range(batch)])
+        counts += torch.bincount(torch.tensor(tokens), minlength=vocab)
+    draws = counts.sum().item()
+    assert set(counts.nonzero().flatten().tolist()) <= set(live)
+    chi2 = sum((counts[t].item() - draws * p) ** 2 / (draws * p) for t, p in expected.items())
+    assert chi2 < CHI2_999[len(expected) - 1], (chi2, expected)
+
+
 # The chi-square distribution's 0.999 quantile for 1..11 degrees of freedom (a false alarm once in 1,000 runs).
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59,
             11: 31.26}

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from backend.engine.outputs import Logprob
 
@@ -62,14 +63,15 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | Non
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
         logits.div_(temperature[:, None])
 
-    greedy = torch.tensor([p.greedy for p in params], device=device)
+    greedy = [p.greedy for p in params]
     # max's indices are argmax's (the first of equal maxima), and on CPU it is 2.5x faster over a vocabulary
-    tokens = logits.max(dim=-1).indices
-    if not bool(greedy.all()):
+    tokens = logits.max(dim=-1).indices if any(greedy) else None
+    if not all(greedy):
         probs = _filtered_probs(logits, params)
         drafted = [row for row, d in enumerate(drafts or ()) if d is not None and not params[row].greedy]
         kept = _keep_drafts(probs, requests, drafts, drafted, draft_probs) if drafted else None
-        tokens = torch.where(greedy, tokens, _inverse_cdf(probs, requests))
+        drawn = _inverse_cdf(probs, requests)
+        tokens = drawn if tokens is None else torch.where(torch.tensor(greedy, device=device), tokens, drawn)
         if kept is not None:
             rows, draft_ids = torch.tensor(drafted, device=device), torch.tensor([drafts[r] for r in drafted], device=device)
             tokens[rows] = torch.where(kept, draft_ids, tokens[rows])
@@ -210,16 +212,33 @@ def _keep_drafts(probs: torch.Tensor, requests: list[Request], drafts: list[int 
     return kept
 
 
+# _inverse_cdf's running totals go a block of this many tokens at a time: over the row's blocks first, then over the
+# tokens of the one block the uniform falls in.
+CDF_BLOCK = 256
+
+
 def _inverse_cdf(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """One draw per row of probs [B, V] (unnormalised: min-p and a rejected draft leave rows so): the first token
-    whose running total exceeds a uniform fraction of the row's mass. The totals are summed in fp64, so that a
-    token's share of the interval is its probability to ~1e-16 even at the end of a large vocabulary."""
-    totals = probs.cumsum(dim=-1, dtype=torch.float64)
-    mass = totals[:, -1:]
-    uniforms = torch.rand(len(requests), 1, dtype=torch.float64, device=probs.device)
+    whose running total exceeds a uniform fraction of the row's mass. The running totals are fp64, over each block's
+    fp32 sum and then within the block drawn, so that a token's share of the interval is its probability to fp32's
+    precision of its block's mass (as the probabilities themselves are), wherever it lies in the vocabulary. A running
+    total over the whole vocabulary in fp64 (a copy of the rows in fp64, then a sequential sum) took 8 of 11 ms on 64
+    rows of a 49k vocabulary on a CPU; this takes under 1."""
+    num_rows, vocab = probs.shape
+    padded = probs if vocab % CDF_BLOCK == 0 else F.pad(probs, (0, -vocab % CDF_BLOCK))
+    blocks = padded.view(num_rows, -1, CDF_BLOCK)
+    block_totals = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    mass = block_totals[:, -1:]
+    uniforms = torch.rand(num_rows, 1, dtype=torch.float64, device=probs.device)
     for row, r in enumerate(requests):
         if r.generator is not None:  # a CPU generator, whatever the device
             uniforms[row] = torch.rand(1, dtype=torch.float64, generator=r.generator).item()
-    # strictly below the mass: the first total above it then always ends at a token of probability > 0
+    # strictly below the mass: the first block total above it then always ends a block of mass > 0
     points = torch.minimum(uniforms * mass, torch.nextafter(mass, torch.zeros_like(mass)))
-    return torch.searchsorted(totals, points, right=True)[:, 0]
+    block = torch.searchsorted(block_totals, points, right=True)
+    before = torch.where(block > 0, block_totals.gather(1, (block - 1).clamp(min=0)), 0.0)
+    totals = blocks[torch.arange(num_rows, device=probs.device), block[:, 0]].cumsum(dim=-1, dtype=torch.float64)
+    # The block's sum and its running total add in different orders: what is left of the point may round below 0 or
+    # past the running total's end. Held within [0, end), the first total above it is a token of probability > 0.
+    rest = torch.minimum((points - before).clamp(min=0.0), torch.nextafter(totals[:, -1:], torch.zeros_like(before)))
+    return (block * CDF_BLOCK + torch.searchsorted(totals, rest, right=True))[:, 0]
