@@ -217,6 +217,18 @@ def test_draws_follow_softmax_after_filters(params):
     assert chi2 < CHI2_999[len(expected) - 1], (chi2, expected)
 
 
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 0.5}, {"temperature": 0.001}])
+def test_a_draft_the_target_equals_is_kept(filters):
+    """Where the filters leave the target one-hot at the draft, the residual max(p - q, 0) is all zeros: the draft is
+    kept, and the draw from that empty row (whose token is discarded) must not fail the batch."""
+    logits = _logits(2)
+    draft = int(logits[0].argmax())
+    logits[0, draft] += 50
+    requests = [_request(**{"temperature": 1.0, **filters}), _request(temperature=1.0)]
+    tokens = [s.token_id for s in sample(logits, requests, [draft, None])]
+    assert tokens[0] == draft and 0 <= tokens[1] < logits.shape[1]
+
+
 def test_draws_over_a_vocabulary_of_many_blocks_follow_softmax():
     """The draw sums its running totals a block of tokens at a time (sampler.CDF_BLOCK): tokens at both ends of
     blocks, in the first and the last (cut short) block, and none between them, drawn at their probabilities."""

@@ -226,7 +226,7 @@ def _inverse_cdf(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     rows of a 49k vocabulary on a CPU; this takes under 1."""
     num_rows, vocab = probs.shape
     padded = probs if vocab % CDF_BLOCK == 0 else F.pad(probs, (0, -vocab % CDF_BLOCK))
-    blocks = padded.view(num_rows, -1, CDF_BLOCK)
+    blocks = padded.reshape(num_rows, -1, CDF_BLOCK)
     block_totals = blocks.sum(dim=-1).double().cumsum(dim=-1)
     mass = block_totals[:, -1:]
     uniforms = torch.rand(num_rows, 1, dtype=torch.float64, device=probs.device)
@@ -235,7 +235,9 @@ def _inverse_cdf(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
             uniforms[row] = torch.rand(1, dtype=torch.float64, generator=r.generator).item()
     # strictly below the mass: the first block total above it then always ends a block of mass > 0
     points = torch.minimum(uniforms * mass, torch.nextafter(mass, torch.zeros_like(mass)))
-    block = torch.searchsorted(block_totals, points, right=True)
+    # (held to the last block for a row of no mass: a draft whose target it equals leaves a residual of zeros, and
+    # that row keeps its draft, whatever is drawn here)
+    block = torch.searchsorted(block_totals, points, right=True).clamp_(max=blocks.shape[1] - 1)
     before = torch.where(block > 0, block_totals.gather(1, (block - 1).clamp(min=0)), 0.0)
     totals = blocks[torch.arange(num_rows, device=probs.device), block[:, 0]].cumsum(dim=-1, dtype=torch.float64)
     # The block's sum and its running total add in different orders: what is left of the point may round below 0 or
