@@ -324,8 +324,9 @@ def paged_attention(query, key, value, key_cache, value_cache, metadata: Attenti
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """torch_ref.prefill_attention; in bf16 on an AVX512-BF16 build, csrc/prefill_attention_avx512.cpp (3-6x torch's
-    CPU flash attention on head dims of 64 and a few hundred tokens, where its per-block library calls dominate)."""
+    """torch_ref.prefill_attention; in bf16 on an AVX512-BF16 build, csrc/prefill_attention_avx512.cpp (5-8x torch's
+    CPU flash attention on head dims of 64 and 128 and a few hundred tokens, where its per-block library calls
+    dominate)."""
     ext = _extension()
     if (ext is None or not ext.has_prefill_attention() or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16
             or v.dtype != torch.bfloat16 or q.shape[-1] % 2 or v.shape[-1] % 16 or q.stride(-1) != 1

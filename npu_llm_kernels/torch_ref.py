@@ -157,14 +157,13 @@ def paged_attention(
     tokens, already written to the cache. Each sequence's new tokens sit at the end of its
     context and see every earlier token of it. Returns [T, num_heads, head_dim].
     """
-    return attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention)
+    return attend(query, key, value, key_cache, value_cache, metadata, scale, decode_attention, prefill_attention)
 
 
 def attend(query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode,
-           prefill=None) -> torch.Tensor:
+           prefill) -> torch.Tensor:
     """paged_attention with the decode part (one batched call for the leading one-token sequences) and the
     prefill part (one call a sequence, prefill_attention's signature) pluggable."""
-    prefill = prefill or prefill_attention
     nd = metadata.num_decodes
     if nd == len(metadata.query_lens):  # a decode-only step: the decode kernel's output is the whole result
         with scope("attention.decode"):

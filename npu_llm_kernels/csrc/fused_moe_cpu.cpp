@@ -12,6 +12,7 @@
 // its blocking) beats these tiles. Rounding follows torch_ref: matmul outputs and the activation are rounded to the
 // dtype; the per-token sum is in fp32.
 #include "ops.h"
+#include "vec_math.h"
 
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/index_select.h>
@@ -101,9 +102,7 @@ inline void tile_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, 
     __m512bh wv[kVectors];
     for (int v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(row + v * 2 * kWidth);
     for (int m = 0; m < M; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * k + c, sizeof(pair));
-      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(bf16_pair(x + m * k + c));
       for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xm, wv[v]);
     }
   }

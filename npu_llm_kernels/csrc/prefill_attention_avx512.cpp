@@ -25,21 +25,12 @@ constexpr int64_t ROWS = 12;    // queries per task and per score tile (12 x 2 a
 constexpr int64_t PV_ROWS = 6;  // queries per output tile (6 x 4 accumulators)
 constexpr int64_t COLUMNS = 64; // output columns per output tile
 
-// The first min(n, 16) lanes.
-inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
-inline int32_t pair_at(const uint16_t* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof(pair));
-  return pair;
-}
-
 // One KV head's keys [ctx, D] (rows `stride` apart) as [ctx / KEYS tiles][D / 2][KEYS][2], into a zeroed `out`.
 void pack_keys(const uint16_t* k, int64_t stride, int64_t ctx, int64_t dim, int32_t* out) {
   const int64_t pairs = dim / 2;
   for (int64_t t = 0; t < ctx; ++t) {
     int32_t* tile = out + (t / KEYS) * pairs * KEYS + t % KEYS;
-    for (int64_t p = 0; p < pairs; ++p) tile[p * KEYS] = pair_at(k + t * stride + 2 * p);
+    for (int64_t p = 0; p < pairs; ++p) tile[p * KEYS] = bf16_pair(k + t * stride + 2 * p);
   }
 }
 
@@ -61,7 +52,7 @@ void score_tile(const uint16_t* const* q, const int32_t* keys, int64_t pairs, in
       const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + p * KEYS);
       const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + p * KEYS + 16);
       for (int r = 0; r < ROWS; ++r) {
-        const __m512bh qr = (__m512bh)_mm512_set1_epi32(pair_at(q[r] + 2 * p));
+        const __m512bh qr = (__m512bh)_mm512_set1_epi32(bf16_pair(q[r] + 2 * p));
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qr, k0);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qr, k1);
       }
@@ -80,11 +71,11 @@ void score_tile(const uint16_t* const* q, const int32_t* keys, int64_t pairs, in
 float softmax_row(const float* scores, int64_t n, int64_t padded, uint16_t* probs) {
   __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += 16)
-    max = _mm512_mask_max_ps(max, first(n - j), max, _mm512_loadu_ps(scores + j));
+    max = _mm512_mask_max_ps(max, first_lanes(n - j), max, _mm512_loadu_ps(scores + j));
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(max));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < padded; j += 16) {
-    const __mmask16 visible = j < n ? first(n - j) : 0;
+    const __mmask16 visible = j < n ? first_lanes(n - j) : 0;
     const __m512 e = _mm512_maskz_mov_ps(visible, exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), top)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), fp32_to_bf16(e));
@@ -104,7 +95,7 @@ void output_tile(const uint16_t* const* probs, const float* inv, const uint16_t*
     __m512bh vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(values + (p * dim + c0 + 16 * v) * 2);
     for (int r = 0; r < PV_ROWS; ++r) {
-      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pair_at(probs[r] + 2 * p));
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(bf16_pair(probs[r] + 2 * p));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pr, vv[v]);
     }
   }
@@ -116,9 +107,7 @@ void output_tile(const uint16_t* const* probs, const float* inv, const uint16_t*
   }
 }
 
-}  // namespace
-
-bool prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+void prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                               float scale) {
   const int64_t q_len = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t ctx = k.size(0), kv_heads = k.size(1), v_dim = v.size(2);
@@ -146,7 +135,7 @@ bool prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, const at
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, r0 = (task % blocks) * ROWS, rows = std::min(ROWS, q_len - r0);
       const int64_t kv = h / group, visible = offset + r0 + rows;  // keys the block's last row sees
-      const int64_t block_tiles = (visible + KEYS - 1) / KEYS;
+      const int64_t block_tiles = (visible + KEYS - 1) / KEYS, key_pairs = block_tiles * KEYS / 2;
       const uint16_t* query[ROWS];
       for (int64_t r = 0; r < ROWS; ++r) query[r] = qp + std::min(r0 + r, q_len - 1) * q.stride(0) + h * q.stride(1);
       score_tile(query, keys.data() + kv * tiles * pairs * KEYS, pairs, block_tiles, scale, scores.data(), padded);
@@ -167,13 +156,14 @@ bool prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, const at
         }
         int64_t c = 0;
         for (; c + COLUMNS <= v_dim; c += COLUMNS)
-          output_tile<4>(prob_rows, row_inv, head_values, v_dim, c, block_tiles * KEYS / 2, out_rows);
-        for (; c < v_dim; c += 16) output_tile<1>(prob_rows, row_inv, head_values, v_dim, c, block_tiles * KEYS / 2, out_rows);
+          output_tile<4>(prob_rows, row_inv, head_values, v_dim, c, key_pairs, out_rows);
+        for (; c < v_dim; c += 16) output_tile<1>(prob_rows, row_inv, head_values, v_dim, c, key_pairs, out_rows);
       }
     }
   });
-  return true;
 }
+
+}  // namespace
 #endif
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {

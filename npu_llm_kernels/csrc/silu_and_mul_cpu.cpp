@@ -23,7 +23,7 @@ void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d
       const uint16_t* up = gate + dim;
       uint16_t* o = out + r * dim;
       for (int64_t d = 0; d < dim; d += 16) {
-        const __mmask16 lanes = dim - d >= 16 ? 0xffff : static_cast<__mmask16>((1u << (dim - d)) - 1);
+        const __mmask16 lanes = first_lanes(dim - d);
         const __m512 g = bf16_to_fp32(_mm256_maskz_loadu_epi16(lanes, gate + d));
         const __m512 u = bf16_to_fp32(_mm256_maskz_loadu_epi16(lanes, up + d));
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));

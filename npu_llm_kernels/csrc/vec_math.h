@@ -89,6 +89,16 @@ inline __m256 load_bf16x8(const void* p) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+// The first min(n, 16) of 16 lanes, for a loop's tail (n > 0).
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+// Two bf16 values side by side as one 32-bit lane: what AVX512-BF16's dot product takes from each operand.
+inline int32_t bf16_pair(const void* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return pair;
+}
+
 // fast_exp, 16 at a time.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
