@@ -105,10 +105,13 @@ FEW_ROWS_TORCH_BF16 = 2
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 weights in oneDNN's blocked layout, as the CPU's level allows. Other dtypes stay as they are.
+    """bf16 weights in the layout of the CPU level's fastest matmul. Other dtypes stay as they are.
 
-    Where the CPU multiplies bf16 in hardware, the weights stay bf16: 2-3.5x faster matmuls than
-    F.linear at decode batch sizes, a little faster at prefill sizes, bit-identical results. Elsewhere
+    With AVX512-BF16 (level avx512_bf16), in stripes for csrc/linear_bf16_avx512.cpp (see _in_linear_stripes):
+    1.2-1.6x faster than oneDNN's matmul at decode sizes on weights streamed from memory, level at prefill sizes;
+    fp32 sums rounded to bf16 once, as oneDNN's, in their own order. With AMX, in oneDNN's blocked layout, for its
+    AMX tiles (the stripes were not measured there): 2-3.5x faster matmuls than F.linear at decode batch sizes, a
+    little faster at prefill sizes, bit-identical results. Elsewhere
     the weights are packed as fp32 and `linear` runs in fp32: like a bf16 GEMM it accumulates in fp32 and
     rounds the output to bf16 once, so results agree with F.linear to bf16 rounding (summation order aside).
     That packed tensor carries bf16 weights too, as `few_rows`, for calls of fewer than `few_rows_below` rows
@@ -121,6 +124,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     if (weight.dtype != torch.bfloat16 or not features.x86 or not torch.backends.mkldnn.is_available()
             or not _enabled()):
         return weight
+    if features.level == "avx512_bf16" and compiled() is not None and compiled().has_linear_bf16_stripes():
+        return _in_linear_stripes(weight)
     if features.native_bf16:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     fp32 = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
@@ -136,6 +141,11 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if hasattr(weight, "unpacked_shape"):  # _in_linear_stripes'
+        ext = _extension()
+        if ext is None or x.dtype != torch.bfloat16:  # (NPU_LLM_CPU_KERNELS=0 after packing)
+            return F.linear(x, _unstriped(weight).to(x.dtype), bias)
+        return ext.linear_bf16_stripes(x, weight, bias, weight.unpacked_shape[0])
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     if weight.dtype != x.dtype and x.numel() < weight.few_rows_below * x.shape[-1]:
@@ -147,6 +157,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # fp32-packed weights of a bf16 model (see pack_linear_weight)
     bias = None if bias is None else bias.float()
     return torch.ops.mkldnn._linear_pointwise(x.float(), weight, bias, "none", [None], "").to(x.dtype)
+
+
+# Output columns per stripe of csrc/linear_bf16_avx512.cpp's weights (its kStripe).
+LINEAR_STRIPE = 64
+
+
+def _in_linear_stripes(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] as csrc/linear_bf16_avx512.cpp reads it: stripes of 64 output columns with k in pairs, [N / 64,
+    K / 2, 64, 2] (stored as [N / 64, K, 64]), N padded with zero rows to a multiple of 64 and K with a zero column
+    to even. `unpacked_shape` keeps (N, K)."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, k % 2, 0, -n % LINEAR_STRIPE))
+    packed = _in_stripes(padded[None], LINEAR_STRIPE, pairs=True)[0]
+    packed.unpacked_shape = (n, k)
+    return packed
+
+
+def _unstriped(weight: torch.Tensor) -> torch.Tensor:
+    """_in_linear_stripes' weights back as [N, K]."""
+    n, k = weight.unpacked_shape
+    return _whole(weight[None], pairs=True)[0, :n, :k]
 
 
 # From this many rows, with VNNI, oneDNN's int8 GEMM on prepacked weights (the AMX tiles' where the CPU has AMX-INT8);
@@ -402,10 +433,10 @@ def _in_stripes(w: torch.Tensor, stripe: int, pairs: bool) -> torch.Tensor:
     return paired.view(experts, n // stripe, k, stripe)
 
 
-def _whole(w: torch.Tensor) -> torch.Tensor:
-    """pack_expert_weights' stripes back as [E, N, K]."""
+def _whole(w: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """_in_stripes' stripes back as [E, N, K]."""
     experts, stripes, k, stripe = w.shape
-    if w.stripes == "pairs":
+    if pairs:
         paired = w.view(experts, stripes, k // 2, stripe, 2).permute(0, 1, 3, 2, 4)
         return paired.reshape(experts, stripes * stripe, k)
     return w.transpose(2, 3).reshape(experts, stripes * stripe, k)
@@ -420,7 +451,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         if not getattr(w13, "stripes", False):
             return torch_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert)
         if ext is None:  # (NPU_LLM_CPU_KERNELS=0 after packing)
-            return torch_ref.fused_experts(x, _whole(w13), _whole(w2), topk_weights, topk_ids, first_expert)
+            whole13, whole2 = (_whole(w, w.stripes == "pairs") for w in (w13, w2))
+            return torch_ref.fused_experts(x, whole13, whole2, topk_weights, topk_ids, first_expert)
         amx = w13.stripes == "pairs" and cpu_features().level == "amx"
         onednn_from = ONEDNN_EXPERT_TOKENS if x.dtype == torch.float32 or (cpu_features().native_bf16 and not amx) else 0
         return ext.fused_experts(x.contiguous(), w13, w2, topk_weights, topk_ids, first_expert, onednn_from,

@@ -194,11 +194,15 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
     weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     packed = cpu.pack_linear_weight(weight)
-    assert packed.is_mkldnn  # bf16 weights do get packed here
+    features = cpu_features()
+    stripes = features.level == "avx512_bf16"  # csrc/linear_bf16_avx512.cpp's layout, not oneDNN's
+    assert (hasattr(packed, "unpacked_shape") if stripes else packed.is_mkldnn)  # bf16 weights do get packed here
     ours = cpu.linear(x, packed, bias)
     assert ours.dtype == torch.bfloat16
-    features = cpu_features()
-    if features.native_bf16:  # bf16 GEMM from packed weights: bit-identical
+    if stripes:  # fp32 sums rounded to bf16 once, in their own order: the exact result to one bf16 rounding
+        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)
+    elif features.native_bf16:  # oneDNN's bf16 GEMM from its packed weights (AMX): bit-identical
         assert packed.dtype == torch.bfloat16
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
     elif rows < packed.few_rows_below and packed.few_rows.is_mkldnn:  # oneDNN's bf16 twin: bit-identical
@@ -209,10 +213,40 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
         assert packed.dtype == torch.float32
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)
-    if not features.native_bf16:
+    if not features.native_bf16 and not stripes:
         # below AVX-512 oneDNN refuses bf16 (its reorder raises there): no oneDNN bf16 twin may be made
         assert features.onednn_bf16 or not packed.few_rows.is_mkldnn
     assert cpu.pack_linear_weight(weight.float()) is not None and not cpu.pack_linear_weight(weight.float()).is_mkldnn
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 96), (3, 70, 7), (5, 63, 963), (13, 576, 576), (32, 1536, 130),
+                                        (300, 64, 64), (40, 8193, 70)])
+def test_bf16_stripes_linear_at_the_shapes_it_tiles(rows, k, n, cpu_level):
+    """csrc/linear_bf16_avx512.cpp (AVX512-BF16 builds): tiles of 6 rows cut short, a last stripe of fewer than 64
+    columns (its store masked), an odd K (the packing's zero beside the last value), rows split in two for balance
+    (13, 32) and in blocks of 192 (300), K in blocks of 4096 (8193); biases in bf16 and fp32; a 3-d input and one
+    whose rows are strided."""
+    ext = cpu.compiled()
+    if not ext.has_linear_bf16_stripes():
+        assert cpu_features().build != "avx512_bf16"  # the avx512_bf16 build (also amx's) has it
+        return
+    torch.manual_seed(rows * k + n)
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    packed = cpu._in_linear_stripes(weight)
+    assert torch.equal(cpu._unstriped(packed), weight)
+    wide = torch.randn(rows, k + 9).bfloat16()
+    x = wide[:, 4:k + 4]  # rows strided by k + 9
+    for b in (None, bias, bias.float()):
+        ours = ext.linear_bf16_stripes(x, packed, b, n)
+        exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert ours.shape == (rows, n) and ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)  # one bf16 rounding of fp32 sums
+    # each row's sums run in one order, whatever rows share the call: a row alone gives the same bits
+    alone = torch.cat([ext.linear_bf16_stripes(x[i:i + 1], packed, bias, n) for i in range(rows)])
+    assert torch.equal(alone, ext.linear_bf16_stripes(x, packed, bias, n))
+    assert torch.equal(ext.linear_bf16_stripes(x.reshape(1, rows, k), packed, bias, n)[0], alone)
+    with pytest.raises(RuntimeError, match="do not match"):
+        ext.linear_bf16_stripes(torch.randn(rows, k + 2).bfloat16(), packed, bias, n)
 
 
 @pytest.mark.parametrize("rows, k, n", [(1, 64, 96), (2, 70, 7), (3, 576, 963), (4, 8, 1), (5, 64, 9), (8, 70, 96),

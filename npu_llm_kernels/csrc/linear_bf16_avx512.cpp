@@ -1,0 +1,193 @@
+// y = x w^T (+ bias) for bf16 x and weights on CPUs with AVX512-BF16, the weights packed once in stripes of 64
+// output columns with k in pairs ([N / 64, K / 2, 64, 2]: pack_linear_weight in npu_llm_kernels/cpu.py), the
+// layout vdpbf16ps multiplies: each instruction takes 16 columns times two k of one row, summed in fp32.
+//
+// Why not oneDNN's matmul on its own packed weights: at decode sizes (32-64 rows) the weights stream from memory
+// each step, and oneDNN's GEMM, computing at 700-850 GFLOP/s on weights in cache, fell to 500-650 on weights that
+// are not (a model's layers one after another), while these tiles keep 800-900: each task prefetches the stripe it
+// takes next while it computes on the current one, so memory and arithmetic overlap. At prefill sizes they are
+// level with oneDNN (SmolLM2's and Llama-8B's layers, AMD Zen 5).
+//
+// A task is one stripe (or, to keep both cores busy on a few stripes, half its rows): register tiles of 6 rows x
+// 64 columns walk k, each weight vector loaded once per tile and each row's pair of values broadcast. Over a long
+// k the stripe is walked in blocks that stay in L2 for all of the task's rows, the sums kept in fp32 between
+// blocks. Each output row's sums run in the same order whatever the batch: a row's result does not depend on the
+// rows beside it. Rounding: fp32 sums, plus the bias, rounded to bf16 once.
+#include "ops.h"
+#include "vec_math.h"
+
+#if defined(__AVX512BF16__)
+namespace {
+
+constexpr int64_t kStripe = 64;   // output columns per stripe: 4 vectors of 16
+constexpr int kVectors = 4;
+constexpr int kRows = 6;          // rows per register tile: 6 x 4 accumulators beside 4 weight vectors
+constexpr int64_t kTaskRows = 192;  // at most this many rows per task: their fp32 sums (48 KB) stay in L2
+constexpr int64_t kBlockK = 4096;   // k per pass over a stripe: 512 KB of it, in L2 for all the task's rows
+
+// Software prefetch of the weights a task reads next, spread over the tiles of the current block: `lines` cache
+// lines from `base`, `per_step` of them at each k pair (the hardware prefetchers follow a stripe once it is being
+// read, but not the jump to the next one).
+struct Prefetch {
+  const char* base = nullptr;
+  int64_t lines = 0, next = 0, per_step = 0;
+  void step() {
+    for (int64_t i = 0; i < per_step && next < lines; ++i, ++next) _mm_prefetch(base + 64 * next, _MM_HINT_T0);
+  }
+};
+
+// sums[r][0 .. 64) (+)= x[r][0 .. k) . w for R rows of x (row stride lda) and one stripe's block of k values w
+// ([k / 2, 64, 2], k rounded up to even, the pad zero); a fresh sum where `first`, else added to what sums holds.
+template <int R>
+void tile(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k, bool first, float* sums, Prefetch& pf) {
+  __m512 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kStripe + 16 * v);
+  const auto multiply = [&](const uint16_t* pair_row, auto x_pair) {
+    __m512bh wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(pair_row + 32 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(x_pair(x + r * lda));
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xr, wv[v]);
+    }
+  };
+  const int64_t whole = k & ~int64_t{1};
+  for (int64_t c = 0; c < whole; c += 2) {
+    pf.step();
+    multiply(w + c * kStripe, [c](const uint16_t* row) { return bf16_pair(row + c); });
+  }
+  if (k % 2)  // an odd k's last value, paired with the zero the packing put beside it in w
+    multiply(w + whole * kStripe, [whole](const uint16_t* row) { return static_cast<int32_t>(row[whole]); });
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(sums + r * kStripe + 16 * v, acc[r][v]);
+}
+
+// tile for `rows` (1 ... kRows) rows.
+template <int R = kRows>
+void tile_of(int64_t rows, const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k, bool first, float* sums,
+             Prefetch& pf) {
+  if constexpr (R > 1)
+    if (rows < R) return tile_of<R - 1>(rows, x, lda, w, k, first, sums, pf);
+  tile<R>(x, lda, w, k, first, sums, pf);
+}
+
+struct Gemm {
+  const uint16_t* x;
+  int64_t lda, m, k;
+  const uint16_t* w;  // [stripes, k_padded / 2, 64, 2]
+  int64_t k_padded, n, stripes, row_blocks, rows_per_block;
+  const float* bias;  // [n] or null
+  uint16_t* y;        // [m, n]
+
+  const uint16_t* block_of(int64_t stripe, int64_t k0) const { return w + (stripe * k_padded + k0) * kStripe; }
+
+  // One task: stripe `stripe`, rows [m0, m1). `next` is the task this thread runs after it (or -1).
+  void run(int64_t stripe, int64_t m0, int64_t m1, int64_t next) const {
+    alignas(64) float sums[kTaskRows * kStripe];
+    const int64_t tiles = (m1 - m0 + kRows - 1) / kRows;
+    for (int64_t k0 = 0; k0 < k; k0 += kBlockK) {
+      const int64_t kb = std::min(kBlockK, k - k0);
+      Prefetch pf = prefetch_after(stripe, k0, next, tiles * ((kb + 1) / 2));
+      for (int64_t r = m0; r < m1; r += kRows)
+        tile_of(std::min<int64_t>(kRows, m1 - r), x + r * lda + k0, lda, block_of(stripe, k0), kb, k0 == 0,
+                sums + (r - m0) * kStripe, pf);
+    }
+    store(stripe, m0, m1, sums);
+  }
+
+  // The block read after (stripe, k0): the stripe's next one, or the next task's first; spread over `steps`.
+  Prefetch prefetch_after(int64_t stripe, int64_t k0, int64_t next, int64_t steps) const {
+    Prefetch pf;
+    int64_t k_next = k0 + kBlockK;
+    if (k_next >= k) {
+      if (next < 0) return pf;
+      stripe = next / row_blocks;
+      k_next = 0;
+    }
+    pf.base = reinterpret_cast<const char*>(block_of(stripe, k_next));
+    pf.lines = (std::min(kBlockK, k_padded - k_next) / 2) * kStripe * 2 * sizeof(uint16_t) / 64;
+    pf.per_step = (pf.lines + steps - 1) / steps;
+    return pf;
+  }
+
+  // y[m0 .. m1)[stripe's columns] = sums + bias, rounded to bf16; the last stripe's columns past n are not stored.
+  void store(int64_t stripe, int64_t m0, int64_t m1, const float* sums) const {
+    const int64_t n0 = stripe * kStripe;
+    for (int v = 0; v < kVectors; ++v) {
+      const int64_t c = n0 + 16 * v;
+      if (c >= n) break;
+      const __mmask16 mask = first_lanes(n - c);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+      for (int64_t r = m0; r < m1; ++r) {
+        const __m512 out = _mm512_add_ps(_mm512_loadu_ps(sums + (r - m0) * kStripe + 16 * v), b);
+        _mm256_mask_storeu_epi16(y + r * n + c, mask, fp32_to_bf16(out));
+      }
+    }
+  }
+
+  void operator()() const {
+    const int64_t tasks = stripes * row_blocks;
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t m0 = (t % row_blocks) * rows_per_block;
+        run(t / row_blocks, m0, std::min(m, m0 + rows_per_block), t + 1 < end ? t + 1 : -1);
+      }
+    });
+  }
+};
+
+// Row blocks per stripe: enough that a block's sums fit `sums`, and two where the stripes alone would leave a core
+// with one more stripe than the other (SmolLM2's 9 stripes of 576 columns: 5 and 4), if the rows fill two tiles.
+int64_t row_blocks_for(int64_t m, int64_t stripes) {
+  const int64_t blocks = (m + kTaskRows - 1) / kTaskRows;
+  const int64_t threads = at::get_num_threads();
+  return blocks == 1 && m >= 2 * kRows && stripes % threads ? 2 : blocks;
+}
+
+}  // namespace
+
+at::Tensor linear_bf16_stripes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "linear_bf16_stripes takes bf16 x and weights");
+  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kStripe && weight.size(1) % 2 == 0 && weight.is_contiguous(),
+              "linear_bf16_stripes: weights as [N / 64, K (even), 64] stripes (pack_linear_weight)");
+  const int64_t k = x.size(-1), stripes = weight.size(0);
+  TORCH_CHECK(k <= weight.size(1) && weight.size(1) <= k + 1 && n <= stripes * kStripe && n > (stripes - 1) * kStripe,
+              "linear_bf16_stripes: x [.., ", k, "] and ", n, " outputs do not match the weights' shape ",
+              weight.sizes());
+  at::Tensor rows = x.reshape({-1, k});
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  const int64_t m = rows.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "linear_bf16_stripes: bias of ", bias->numel(), " for ", n, " outputs");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  if (m == 0) return y;
+  const int64_t row_blocks = row_blocks_for(m, stripes);
+  const int64_t rows_per_block = ((m + row_blocks - 1) / row_blocks + kRows - 1) / kRows * kRows;
+  const Gemm gemm{reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>()), rows.stride(0), m, k,
+                  reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), weight.size(1), n, stripes,
+                  (m + rows_per_block - 1) / rows_per_block, rows_per_block,
+                  bias32 ? bias32->data_ptr<float>() : nullptr,
+                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>())};
+  gemm();
+  return y;
+}
+
+bool has_linear_bf16_stripes() { return true; }
+
+#else  // without AVX512-BF16 the weights stay in oneDNN's layout (or as they are): see pack_linear_weight
+
+at::Tensor linear_bf16_stripes(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "linear_bf16_stripes needs an AVX512-BF16 build");
+}
+
+bool has_linear_bf16_stripes() { return false; }
+
+#endif
