@@ -6,10 +6,12 @@
 // products whose horizontal sums one transpose-and-add tree produces (about three instructions per token
 // instead of a full reduction each); bf16 keys are multiplied as they lie in the cache where the CPU has
 // AVX512-BF16. The output accumulates in registers, each V row converted to fp32 once for all the query
-// heads of its group. Rows are walked through the block table without a division per row, and prefetched
-// two tiles ahead: a sequence's blocks lie anywhere in the cache, so the hardware prefetchers cannot guess
-// them. Measured against the portable kernel: 1.3x faster on a cache far larger than L3, 1.5x on one that
-// fits; prefetching whole rows rather than their first cache line made 1.4x of that.
+// heads of its group. Each row's place in the cache is looked up once per sequence (row_offsets), and rows are
+// prefetched two tiles ahead: a sequence's blocks lie anywhere in the cache, so the hardware prefetchers cannot
+// guess them. Measured against the portable kernel: 1.3x faster on a cache far larger than L3, 1.5x on one that
+// fits; prefetching whole rows rather than their first cache line made 1.4x of that, and the offsets looked up
+// once rather than walked row by row through the block table 1.05-1.1x more (W1's and W2's batches, Zen 5).
+// (V rows in token pairs through vdpbf16ps, probabilities rounded to bf16, measured no faster: not kept.)
 #include "ops.h"
 #include "vec_math.h"
 
@@ -48,58 +50,44 @@ inline __m512 sum_lanes_of_16(__m512 v[TILE]) {
                        _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Walks the rows of one KV head of one sequence in token order, through its block table, in a cache
-// [num_blocks, block_size, num_kv_heads, D] (without a division per row: the offset in the block counts up).
-template <typename T>
-class Rows {
- public:
-  Rows(const T* cache, const int32_t* table, int64_t block_size, int64_t token_stride, int64_t head_offset,
-       int64_t ctx)
-      : cache_(cache + head_offset), table_(table), block_size_(block_size), token_stride_(token_stride),
-        remaining_(ctx) {
-    row_ = cache_ + static_cast<int64_t>(table_[0]) * block_size_ * token_stride_;
+// Where each token's row of a sequence lies in a cache [num_blocks, block_size, num_kv_heads, D], counted from
+// its KV head's first element: found once per sequence through its block table, for K and V and every KV head.
+// (Walking the table row by row, a branch and a pointer update per row in both passes, cost more than the
+// arithmetic those rows fed.)
+void row_offsets(const int32_t* table, int64_t block_size, int64_t token_stride, int64_t ctx,
+                 std::vector<int64_t>& offsets) {
+  offsets.resize(ctx);
+  for (int64_t b = 0, t = 0; t < ctx; ++b) {
+    const int64_t first = static_cast<int64_t>(table[b]) * block_size * token_stride;
+    for (int64_t i = 0; i < block_size && t < ctx; ++i, ++t) offsets[t] = first + i * token_stride;
   }
-  const T* get() const { return row_; }
-  bool next() {  // false past the last token (no table entry beyond the sequence's is read)
-    if (--remaining_ <= 0) return false;
-    if (++offset_ < block_size_) {
-      row_ += token_stride_;
-    } else {
-      offset_ = 0;
-      row_ = cache_ + static_cast<int64_t>(table_[++block_]) * block_size_ * token_stride_;
-    }
-    return true;
-  }
+}
 
- private:
-  const T* cache_;
-  const int32_t* table_;
-  int64_t block_size_, token_stride_, remaining_, block_ = 0, offset_ = 0;
-  const T* row_;
-};
-
-// Two walks of the same rows, one PREFETCH_AHEAD tokens ahead of the other, whose rows it prefetches.
+// The rows of one KV head in token order, each prefetched PREFETCH_AHEAD tokens before it is read: a sequence's
+// blocks lie anywhere in the cache, so the hardware prefetchers cannot guess them.
 constexpr int64_t PREFETCH_AHEAD = 2 * TILE;
 
 template <int D, typename T>
 class PrefetchedRows {
  public:
-  explicit PrefetchedRows(Rows<T> rows) : rows_(rows), ahead_(rows) {
-    for (int64_t i = 0; i < PREFETCH_AHEAD; ++i) advance_ahead();
+  PrefetchedRows(const T* head, const std::vector<int64_t>& offsets)
+      : head_(head), offsets_(offsets.data()), ctx_(static_cast<int64_t>(offsets.size())) {
+    for (int64_t t = 0; t < std::min(PREFETCH_AHEAD, ctx_); ++t) prefetch(t);
   }
-  const T* get() const { return rows_.get(); }
+  const T* get() const { return head_ + offsets_[t_]; }
   void next() {
-    rows_.next();
-    advance_ahead();
+    ++t_;
+    if (t_ + PREFETCH_AHEAD < ctx_) prefetch(t_ + PREFETCH_AHEAD);
   }
 
  private:
-  void advance_ahead() {
-    if (!ahead_.next()) return;
-    const char* row = reinterpret_cast<const char*>(ahead_.get());
+  void prefetch(int64_t t) const {
+    const char* row = reinterpret_cast<const char*>(head_ + offsets_[t]);
     for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(T)); line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
   }
-  Rows<T> rows_, ahead_;
+  const T* head_;
+  const int64_t* offsets_;
+  int64_t ctx_, t_ = 0;
 };
 
 // Query heads processed together in the V pass, their accumulators in registers beside one V row:
@@ -206,18 +194,18 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * D), scores;
+    std::vector<int64_t> offsets;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, h = task % num_kv_heads, ctx = context_lens[seq];
       const int64_t padded = (ctx + TILE - 1) / TILE * TILE;
       const T* q = query + (seq * num_heads + h * group) * D;
       scores.resize(group * padded);
-      const int32_t* table = block_tables + seq * max_blocks;
-      const Rows<T> keys(key_cache, table, block_size, token_stride, h * D, ctx);
-      const Rows<T> values(value_cache, table, block_size, token_stride, h * D, ctx);
-      scores_of_head<D>(q, scale, PrefetchedRows<D, T>(keys), ctx, group, padded, scores.data());
+      if (task == begin || h == 0)  // (a thread's tasks of one sequence share its offsets)
+        row_offsets(block_tables + seq * max_blocks, block_size, token_stride, ctx, offsets);
+      scores_of_head<D>(q, scale, PrefetchedRows<D, T>(key_cache + h * D, offsets), ctx, group, padded, scores.data());
       for (int64_t g = 0; g < group; g += heads_at_once<D>())
         weighted_values_of<D, T>(std::min<int64_t>(heads_at_once<D>(), group - g), scores.data(),
-                                 PrefetchedRows<D, T>(values), ctx, padded, g, acc.data());
+                                 PrefetchedRows<D, T>(value_cache + h * D, offsets), ctx, padded, g, acc.data());
       T* o = out + (seq * num_heads + h * group) * D;
       for (int64_t i = 0; i < group * D; ++i) o[i] = static_cast<T>(acc[i]);
     }
