@@ -52,16 +52,22 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | Non
     params = [r.params for r in requests]
     ahead = ahead or [[]] * len(requests)
     wants_logprobs = any(p.logprobs is not None for p in params)
-    logits = logits.clone()  # the caller may sample these rows again, one by one, if this batch fails
+    penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
+    # The caller may sample these rows again, one by one, if this batch fails: grammars, min_tokens and penalties
+    # change a copy. Without them (a plain batch) nothing below writes to the rows, and no copy is made.
+    in_place = penalties or any(r.grammar is not None or r.params.min_tokens for r in requests)
+    if in_place:
+        logits = logits.clone()
     apply_grammars(logits, [r.grammar for r in requests])  # (nothing to do when no row has a grammar)
-    raw_logits = logits.clone() if wants_logprobs else None  # (what logprobs report: before any processing)
+    # what logprobs report: before any processing
+    raw_logits = (logits.clone() if in_place else logits) if wants_logprobs else None
     _apply_min_tokens(logits, requests, ahead)
-    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+    if penalties:
         _apply_penalties(logits, requests, ahead)
 
     if not all(p.greedy or p.temperature == 1 for p in params):
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        logits.div_(temperature[:, None])
+        logits = logits / temperature[:, None]
 
     greedy = [p.greedy for p in params]
     # max's indices are argmax's (the first of equal maxima), and on CPU it is 2.5x faster over a vocabulary
