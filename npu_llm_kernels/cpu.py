@@ -74,7 +74,8 @@ def _unavailable(reason: str) -> Build:
 
 
 def compiled():
-    """The extension built for this process's CPU level, or None where it cannot be built."""
+    """The extension built for this process's CPU level, or None where it cannot be built or is turned off
+    (NPU_LLM_CPU_KERNELS=0, read at each call: each op asks here, and takes torch_ref where the answer is None)."""
     if not _enabled():
         return None
     return load_build(cpu_features().build).module
@@ -142,7 +143,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if hasattr(weight, "unpacked_shape"):  # _in_linear_stripes'
-        ext = _extension()
+        ext = compiled()
         if ext is None or x.dtype != torch.bfloat16:  # (NPU_LLM_CPU_KERNELS=0 after packing)
             return F.linear(x, _unstriped(weight).to(x.dtype), bias)
         return ext.linear_bf16_stripes(x, weight, bias, weight.unpacked_shape[0])
@@ -201,7 +202,7 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
     layout for this CPU, reordered once here instead of at each call), with the zero points of its weights, and for
     small layers the plain weights as `.plain`; elsewhere, or where the extension's ends of that call (which need
     AVX2) or K a multiple of 16 are missing, as they are."""
-    ext = _extension()
+    ext = compiled()
     if not (cpu_features().vnni and torch.backends.mkldnn.is_available() and ext is not None
             and ext.has_linear_int8_weights() and weight.shape[1] % 16 == 0):
         return weight
@@ -228,7 +229,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     kernel (csrc/linear_int8_avx2.cpp) quantizes the activations (fp32 or bf16) and multiplies in 16 bits with 32-bit
     sums. Elsewhere (no extension, K not a multiple of 16, fp16): torch_ref.
     """
-    features, ext = cpu_features(), _extension()
+    features, ext = cpu_features(), compiled()
     kernel = ext is not None and ext.has_linear_int8_weights() and x.shape[-1] % 16 == 0 and \
         x.dtype in (torch.float32, torch.bfloat16)
     few = x.numel() // x.shape[-1] < (ONEDNN_INT8_ROWS_AMX if features.level == "amx" else ONEDNN_INT8_ROWS)
@@ -280,7 +281,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     to fp32 in registers as it multiplies. More: torch_ref's blocks, each dequantized in one pass by the extension,
     to bf16 where the CPU multiplies bf16 in hardware (else to fp32, which oneDNN multiplies faster than emulated
     bf16), and multiplied by oneDNN. fp16, K or groups not a multiple of 8, or no extension: torch_ref."""
-    ext, k = _extension(), weight.shape[1]
+    ext, k = compiled(), weight.shape[1]
     if ext is None or x.dtype not in (torch.float32, torch.bfloat16) or (k // weight_scale.shape[1]) % 8:
         return torch_ref.w8a16_linear(x, weight, weight_scale, weight_offset, bias)
     if x.numel() < W8A16_KERNEL_ROWS * k and ext.has_linear_w8a16():
@@ -298,7 +299,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 def _avx2_linear():
     """csrc/linear_bf16_avx2.cpp's few-rows matmul on bf16 weights, where this level's build has it (every x86
     build from avx2 up), else None."""
-    ext = _extension()
+    ext = compiled()
     return ext.linear_bf16_weights if ext is not None and ext.has_linear_bf16_weights() else None
 
 
@@ -309,23 +310,18 @@ LORA_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 def pack_lora_weights(shrink: torch.Tensor, expand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_ref's layout; in fp32 for the extension's lora_add where it takes the model's dtype (the adapter is a
     few MB)."""
-    if _extension() is None or shrink.dtype not in LORA_KERNEL_DTYPES:
+    if compiled() is None or shrink.dtype not in LORA_KERNEL_DTYPES:
         return torch_ref.pack_lora_weights(shrink, expand)
     return torch_ref.pack_lora_weights(shrink.float(), expand.float())
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, segments: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
     """torch_ref.lora_add, every segment in one call of csrc/lora_cpu.cpp where the extension is built."""
-    ext = _extension()
+    ext = compiled()
     if ext is None or not segments or y.dtype not in LORA_KERNEL_DTYPES or segments[0][2].dtype != torch.float32:
         return torch_ref.lora_add(y, x, segments)
     ext.lora_add(y, x.contiguous(), [b for start, end, _, _ in segments for b in (start, end)],
                  [s[2] for s in segments], [s[3] for s in segments])
-
-
-def _extension():
-    """The extension for this call, or None for torch_ref (NPU_LLM_CPU_KERNELS=0 is read at each call)."""
-    return compiled() if _enabled() else None
 
 
 def _enabled() -> bool:
@@ -333,7 +329,7 @@ def _enabled() -> bool:
 
 
 def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
-    ext = _extension()
+    ext = compiled()
     if ext is None:
         return torch_ref.decode_attention(query, key_cache, value_cache, metadata, scale)
     n = query.shape[0]
@@ -343,7 +339,7 @@ def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata,
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping: torch.Tensor) -> None:
-    ext = _extension()
+    ext = compiled()
     if ext is None:
         return torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -358,7 +354,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """torch_ref.prefill_attention; in bf16 on an AVX512-BF16 build, csrc/prefill_attention_avx512.cpp (5-8x torch's
     CPU flash attention on head dims of 64 and 128 and a few hundred tokens, where its per-block library calls
     dominate)."""
-    ext = _extension()
+    ext = compiled()
     if (ext is None or not ext.has_prefill_attention() or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16
             or v.dtype != torch.bfloat16 or q.shape[-1] % 2 or v.shape[-1] % 16 or q.stride(-1) != 1
             or k.stride(-1) != 1 or v.stride(-1) != 1):
@@ -371,12 +367,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    ext = _extension()
+    ext = compiled()
     return torch_ref.rms_norm(x, weight, eps) if ext is None else ext.rms_norm(x.contiguous(), weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    ext = _extension()
+    ext = compiled()
     if ext is None:
         return torch_ref.add_rms_norm(x, residual, weight, eps)
     normed, summed = ext.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
@@ -384,12 +380,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    ext = _extension()
+    ext = compiled()
     return torch_ref.silu_and_mul(x) if ext is None else ext.silu_and_mul(x.contiguous())
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
-    ext = _extension()
+    ext = compiled()
     if ext is None:
         return torch_ref.rotary_embedding(positions, query, key, cos_sin_cache)
     q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache)
@@ -412,7 +408,7 @@ def pack_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tens
     """For csrc/fused_moe_cpu.cpp, where this build has it: each expert's [N, K] weight as [N / S, K, S], stripes of
     S output columns, K-major inside (so each of the kernel's tasks streams one contiguous block). Else as they are,
     for torch_ref."""
-    ext = _extension()
+    ext = compiled()
     stripe = ext.expert_stripe() if ext is not None and ext.has_fused_experts() else 0
     if not stripe or w13.dtype not in (torch.float32, torch.bfloat16) or w13.shape[1] % stripe or w2.shape[1] % stripe:
         return w13, w2
@@ -446,7 +442,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """torch_ref.fused_experts in one C++ call on the weights pack_expert_weights put in stripes; else the
     per-expert loop."""
-    ext = _extension()
+    ext = compiled()
     with scope("moe.experts"):
         if not getattr(w13, "stripes", False):
             return torch_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, first_expert)
