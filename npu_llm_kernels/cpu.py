@@ -146,7 +146,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ext = compiled()
         if ext is None or x.dtype != torch.bfloat16:  # (NPU_LLM_CPU_KERNELS=0 after packing)
             return F.linear(x, _unstriped(weight).to(x.dtype), bias)
-        return ext.linear_bf16_stripes(x, weight, bias, weight.unpacked_shape[0])
+        return ext.linear_bf16_stripes(x, weight, bias, *weight.unpacked_shape)
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     if weight.dtype != x.dtype and x.numel() < weight.few_rows_below * x.shape[-1]:
@@ -167,7 +167,7 @@ LINEAR_STRIPE = 64
 def _in_linear_stripes(weight: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] as csrc/linear_bf16_avx512.cpp reads it: stripes of 64 output columns with k in pairs, [N / 64,
     K / 2, 64, 2] (stored as [N / 64, K, 64]), N padded with zero rows to a multiple of 64 and K with a zero column
-    to even. `unpacked_shape` keeps (N, K)."""
+    to even (so K above is the even one). `unpacked_shape` keeps (N, K), the matmul's own."""
     n, k = weight.shape
     padded = F.pad(weight, (0, k % 2, 0, -n % LINEAR_STRIPE))
     packed = _in_stripes(padded[None], LINEAR_STRIPE, pairs=True)[0]

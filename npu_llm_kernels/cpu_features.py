@@ -127,12 +127,13 @@ def levels_up_to_host() -> tuple[str, ...]:
 
 
 def distinct_levels_up_to_host() -> tuple[str, ...]:
-    """levels_up_to_host less the levels that choose exactly what a higher one does (on this host avx512_bf16 and
-    amx may both be one build with the same packings): the levels a test suite needs to run."""
+    """levels_up_to_host less the levels that choose exactly what a higher one does (x86_64 and avx2 may run the
+    same portable kernels): the levels a test suite needs to run. avx512_bf16 and amx are one build but pack bf16
+    matmul weights differently (our stripes, oneDNN's AMX layout): both run."""
     chosen: dict[tuple, str] = {}
     for level in levels_up_to_host():
         features = CpuFeatures(level, host_level())
-        chosen[(features.build, features.onednn_bf16, features.native_bf16)] = level
+        chosen[(features.build, features.onednn_bf16, features.native_bf16, level == "amx")] = level
     return tuple(chosen.values())
 
 

@@ -219,13 +219,14 @@ def test_cpu_linear_from_packed_bf16_weights_equals_f_linear(rows, cpu_level):
     assert cpu.pack_linear_weight(weight.float()) is not None and not cpu.pack_linear_weight(weight.float()).is_mkldnn
 
 
-@pytest.mark.parametrize("rows, k, n", [(1, 64, 96), (3, 70, 7), (5, 63, 963), (13, 576, 576), (32, 1536, 130),
-                                        (300, 64, 64), (40, 8193, 70)])
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 96), (3, 70, 7), (5, 63, 963), (7, 64, 100), (13, 576, 576),
+                                        (32, 1536, 130), (300, 64, 64), (40, 8193, 70), (9, 4100, 300)])
 def test_bf16_stripes_linear_at_the_shapes_it_tiles(rows, k, n, cpu_level):
     """csrc/linear_bf16_avx512.cpp (AVX512-BF16 builds): tiles of 6 rows cut short, a last stripe of fewer than 64
-    columns (its store masked), an odd K (the packing's zero beside the last value), rows split in two for balance
-    (13, 32) and in blocks of 192 (300), K in blocks of 4096 (8193); biases in bf16 and fp32; a 3-d input and one
-    whose rows are strided."""
+    columns (its store masked, in its first vector or a later one: 7, 963, 100), an odd K (the packing's zero beside
+    the last value), rows split in two where two threads would get unequal stripes (13, 32, 9), more than 192 rows in
+    blocks (300: two of 150), K in blocks of 4096 (8193, 4100; with 5 stripes a thread's next stripe is prefetched
+    across them); biases in bf16 and fp32; a 3-d input and one whose rows are strided."""
     ext = cpu.compiled()
     if not ext.has_linear_bf16_stripes():
         assert cpu_features().build != "avx512_bf16"  # the avx512_bf16 build (also amx's) has it
@@ -237,16 +238,19 @@ def test_bf16_stripes_linear_at_the_shapes_it_tiles(rows, k, n, cpu_level):
     wide = torch.randn(rows, k + 9).bfloat16()
     x = wide[:, 4:k + 4]  # rows strided by k + 9
     for b in (None, bias, bias.float()):
-        ours = ext.linear_bf16_stripes(x, packed, b, n)
+        ours = ext.linear_bf16_stripes(x, packed, b, n, k)
         exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
         assert ours.shape == (rows, n) and ours.dtype == torch.bfloat16
-        torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-5)  # one bf16 rounding of fp32 sums
+        # one bf16 rounding of fp32 sums (whose own error grows with k)
+        torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=k * 2e-8)
     # each row's sums run in one order, whatever rows share the call: a row alone gives the same bits
-    alone = torch.cat([ext.linear_bf16_stripes(x[i:i + 1], packed, bias, n) for i in range(rows)])
-    assert torch.equal(alone, ext.linear_bf16_stripes(x, packed, bias, n))
-    assert torch.equal(ext.linear_bf16_stripes(x.reshape(1, rows, k), packed, bias, n)[0], alone)
-    with pytest.raises(RuntimeError, match="do not match"):
-        ext.linear_bf16_stripes(torch.randn(rows, k + 2).bfloat16(), packed, bias, n)
+    alone = torch.cat([ext.linear_bf16_stripes(x[i:i + 1], packed, bias, n, k) for i in range(rows)])
+    assert torch.equal(alone, ext.linear_bf16_stripes(x, packed, bias, n, k))
+    assert torch.equal(ext.linear_bf16_stripes(x.reshape(1, rows, k), packed, bias, n, k)[0], alone)
+    # an input one column short or long (which the even width of the packing would hold) is refused
+    for width in (k - 1, k + 1):
+        with pytest.raises(RuntimeError, match="do not match"):
+            ext.linear_bf16_stripes(torch.randn(rows, width).bfloat16(), packed, bias, n, k)
 
 
 @pytest.mark.parametrize("rows, k, n", [(1, 64, 96), (2, 70, 7), (3, 576, 963), (4, 8, 1), (5, 64, 9), (8, 70, 96),

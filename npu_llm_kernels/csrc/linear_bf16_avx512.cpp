@@ -88,7 +88,7 @@ struct Gemm {
     const int64_t tiles = (m1 - m0 + kRows - 1) / kRows;
     for (int64_t k0 = 0; k0 < k; k0 += kBlockK) {
       const int64_t kb = std::min(kBlockK, k - k0);
-      Prefetch pf = prefetch_after(stripe, k0, next, tiles * ((kb + 1) / 2));
+      Prefetch pf = prefetch_after(stripe, k0, next, tiles * std::max<int64_t>(1, kb / 2));
       for (int64_t r = m0; r < m1; r += kRows)
         tile_of(std::min<int64_t>(kRows, m1 - r), x + r * lda + k0, lda, block_of(stripe, k0), kb, k0 == 0,
                 sums + (r - m0) * kStripe, pf);
@@ -148,15 +148,15 @@ int64_t row_blocks_for(int64_t m, int64_t stripes) {
 }  // namespace
 
 at::Tensor linear_bf16_stripes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                               int64_t n) {
+                               int64_t n, int64_t k) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "linear_bf16_stripes takes bf16 x and weights");
   TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kStripe && weight.size(1) % 2 == 0 && weight.is_contiguous(),
               "linear_bf16_stripes: weights as [N / 64, K (even), 64] stripes (pack_linear_weight)");
-  const int64_t k = x.size(-1), stripes = weight.size(0);
-  TORCH_CHECK(k <= weight.size(1) && weight.size(1) <= k + 1 && n <= stripes * kStripe && n > (stripes - 1) * kStripe,
-              "linear_bf16_stripes: x [.., ", k, "] and ", n, " outputs do not match the weights' shape ",
-              weight.sizes());
+  const int64_t stripes = weight.size(0);
+  TORCH_CHECK(x.size(-1) == k && weight.size(1) == k + k % 2 && n <= stripes * kStripe && n > (stripes - 1) * kStripe,
+              "linear_bf16_stripes: x [.., ", x.size(-1), "] and weights [", n, ", ", k,
+              "] do not match, or the weights' stripes ", weight.sizes(), " are not theirs");
   at::Tensor rows = x.reshape({-1, k});
   if (rows.stride(1) != 1) rows = rows.contiguous();
   const int64_t m = rows.size(0);
@@ -184,7 +184,8 @@ bool has_linear_bf16_stripes() { return true; }
 
 #else  // without AVX512-BF16 the weights stay in oneDNN's layout (or as they are): see pack_linear_weight
 
-at::Tensor linear_bf16_stripes(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {
+at::Tensor linear_bf16_stripes(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                               int64_t) {
   TORCH_CHECK(false, "linear_bf16_stripes needs an AVX512-BF16 build");
 }
 

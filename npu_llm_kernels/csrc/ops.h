@@ -46,11 +46,11 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const std::vector<int64_t>& bo
               const std::vector<at::Tensor>& shrinks, const std::vector<at::Tensor>& expands);
 at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 bool has_linear_bf16_weights();
-// x [.., K] bf16 times bf16 weights packed in stripes ([N / 64, K rounded up to even, 64], k in pairs:
-// csrc/linear_bf16_avx512.cpp) (+ bias, bf16 or fp32), n outputs, in fp32, rounded to bf16 once; AVX512-BF16 builds
-// only (has_linear_bf16_stripes says whether this build has it).
+// x [.., k] bf16 times bf16 weights [n, k] packed in stripes ([n / 64, k rounded up to even, 64], k in pairs:
+// csrc/linear_bf16_avx512.cpp) (+ bias, bf16 or fp32), in fp32, rounded to bf16 once; AVX512-BF16 builds only
+// (has_linear_bf16_stripes says whether this build has it).
 at::Tensor linear_bf16_stripes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                               int64_t n);
+                               int64_t n, int64_t k);
 bool has_linear_bf16_stripes();
 // W8A8: x [.., K] (fp32 or bf16; K a multiple of 16) quantized to int8 per row (or with input_scale [1] and
 // input_offset [1]) times int8 weight [N, K]^T with per-channel weight_scale [N, 1] (+ bias), exact int32 sums; the
