@@ -55,12 +55,12 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[int | Non
     penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
     # The caller may sample these rows again, one by one, if this batch fails: grammars, min_tokens and penalties
     # change a copy. Without them (a plain batch) nothing below writes to the rows, and no copy is made.
-    in_place = penalties or any(r.grammar is not None or r.params.min_tokens for r in requests)
-    if in_place:
+    copy_first = penalties or any(r.grammar is not None or r.params.min_tokens for r in requests)
+    if copy_first:
         logits = logits.clone()
     apply_grammars(logits, [r.grammar for r in requests])  # (nothing to do when no row has a grammar)
     # what logprobs report: before any processing
-    raw_logits = (logits.clone() if in_place else logits) if wants_logprobs else None
+    raw_logits = (logits.clone() if copy_first else logits) if wants_logprobs else None
     _apply_min_tokens(logits, requests, ahead)
     if penalties:
         _apply_penalties(logits, requests, ahead)
