@@ -384,6 +384,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch_ref.silu_and_mul(x) if ext is None else ext.silu_and_mul(x.contiguous())
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch_ref.linear_silu_and_mul; on bf16 stripes whose gate and up halves are whole stripes, in one pass
+    (csrc/linear_bf16_avx512.cpp, gated): the same bits as silu_and_mul(linear(..)), without [gate | up] written out
+    and read back."""
+    if hasattr(weight, "unpacked_shape") and x.dtype == torch.bfloat16:
+        rows, k = weight.unpacked_shape
+        ext = compiled()
+        if ext is not None and rows % (2 * LINEAR_STRIPE) == 0:
+            return ext.linear_bf16_stripes(x, weight, bias, rows // 2, k, gated=True)
+    return silu_and_mul(linear(x, weight, bias))
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
     ext = compiled()
     if ext is None:

@@ -16,6 +16,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     pack_int8_weight,
     pack_w8a16_weight,
     linear,
+    linear_silu_and_mul,
     lora_add,
     pack_expert_weights,
     pack_lora_weights,

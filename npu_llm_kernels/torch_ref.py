@@ -257,6 +257,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated MLP's projection and activation: silu_and_mul of x times its [gate | up] weights [2I, K]."""
+    return silu_and_mul(linear(x, weight, bias))
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
     """Neox-style rotary embedding of query [T, Hq, D] and key [T, Hkv, D].
 

@@ -253,6 +253,40 @@ def test_bf16_stripes_linear_at_the_shapes_it_tiles(rows, k, n, cpu_level):
             ext.linear_bf16_stripes(torch.randn(rows, width).bfloat16(), packed, bias, n, k)
 
 
+@pytest.mark.parametrize("rows, k, half", [(1, 64, 64), (7, 576, 192), (13, 70, 128), (300, 63, 64), (9, 4100, 128)])
+def test_gated_bf16_stripes_linear_is_silu_and_mul_of_the_matmul_bit_for_bit(rows, k, half, cpu_level):
+    """The MLP's [gate | up] matmul with silu(gate) * up in its store (csrc/linear_bf16_avx512.cpp, gated): the same
+    bits as silu_and_mul of the plain matmul, through tile tails, an odd K, two-way row splits (7, 13, 9: stripes
+    3, 2, 2), row blocks (300) and K blocks (4100), with and without a bias; cpu.linear_silu_and_mul takes it for
+    bf16 stripes and silu_and_mul(linear(..)) for everything else, halves not whole stripes too."""
+    torch.manual_seed(rows * k + half)
+    weight, bias = torch.randn(2 * half, k).bfloat16() / k**0.5, torch.randn(2 * half).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    packed = cpu.pack_linear_weight(weight)
+    for b in (None, bias):
+        plain = cpu.silu_and_mul(cpu.linear(x, packed, b))
+        assert torch.equal(cpu.linear_silu_and_mul(x, packed, b), plain)
+        assert torch.equal(cpu.linear_silu_and_mul(x.float(), weight.float(), None if b is None else b.float()),
+                           cpu.silu_and_mul(cpu.linear(x.float(), weight.float(), None if b is None else b.float())))
+    ragged = torch.randn(2 * half - 2, k).bfloat16()  # halves of half - 1 columns: plain matmul, then activation
+    assert torch.equal(cpu.linear_silu_and_mul(x, cpu.pack_linear_weight(ragged)),
+                       cpu.silu_and_mul(cpu.linear(x, cpu.pack_linear_weight(ragged))))
+    ext = cpu.compiled()
+    if not ext.has_linear_bf16_stripes():
+        assert cpu_features().build != "avx512_bf16"
+        return
+    assert hasattr(packed, "unpacked_shape") or cpu_features().level != "avx512_bf16"
+    striped = cpu._in_linear_stripes(weight)
+    gated = ext.linear_bf16_stripes(x, striped, bias, half, k, gated=True)
+    assert gated.shape == (rows, half)
+    assert torch.equal(gated, cpu.silu_and_mul(ext.linear_bf16_stripes(x, striped, bias, 2 * half, k)))
+    # a row alone gives the same bits; halves that are not whole stripes are refused
+    assert torch.equal(torch.cat([ext.linear_bf16_stripes(x[i:i + 1], striped, bias, half, k, gated=True)
+                                  for i in range(rows)]), gated)
+    with pytest.raises(RuntimeError, match="whole stripes"):
+        ext.linear_bf16_stripes(x, cpu._in_linear_stripes(ragged), None, half - 1, k, gated=True)
+
+
 @pytest.mark.parametrize("rows, k, n", [(1, 64, 96), (2, 70, 7), (3, 576, 963), (4, 8, 1), (5, 64, 9), (8, 70, 96),
                                         (11, 576, 7)])
 def test_avx2_linear_on_bf16_weights_is_fp32_math_rounded_once(rows, k, n, cpu_level):

@@ -155,4 +155,13 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self._activated(x))
+
+    def _activated(self, x):
+        """silu(gate) * up: in one pass where the platform's matmul fuses the two (a quantized or adapted gate_up
+        has a matmul of its own)."""
+        gate_up = self.gate_up_proj
+        if gate_up.scheme is None and gate_up.lora is None:
+            with scope("matmul"):
+                return self.ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
+        return self.ops.silu_and_mul(gate_up(x))

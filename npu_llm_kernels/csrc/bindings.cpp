@@ -40,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_linear_bf16_weights", &has_linear_bf16_weights, "whether this build has linear_bf16_weights");
   m.def("linear_bf16_stripes", &linear_bf16_stripes, "x times bf16 weights packed in stripes of pairs (AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("n"),
-        pybind11::arg("k"));
+        pybind11::arg("k"), pybind11::arg("gated") = false);
   m.def("has_linear_bf16_stripes", &has_linear_bf16_stripes, "whether this build has linear_bf16_stripes");
   m.def("linear_int8_weights", &linear_int8_weights, "W8A8: x quantized to int8, times int8 weights (AVX2)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"),

@@ -48,9 +48,10 @@ at::Tensor linear_bf16_weights(const at::Tensor& x, const at::Tensor& weight, co
 bool has_linear_bf16_weights();
 // x [.., k] bf16 times bf16 weights [n, k] packed in stripes ([n / 64, k rounded up to even, 64], k in pairs:
 // csrc/linear_bf16_avx512.cpp) (+ bias, bf16 or fp32), in fp32, rounded to bf16 once; AVX512-BF16 builds only
-// (has_linear_bf16_stripes says whether this build has it).
+// (has_linear_bf16_stripes says whether this build has it). gated: the weights are the MLP's [gate | up] (2 n rows,
+// n a multiple of 64) and y [.., n] is silu_and_mul of that matmul's output.
 at::Tensor linear_bf16_stripes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                               int64_t n, int64_t k);
+                               int64_t n, int64_t k, bool gated = false);
 bool has_linear_bf16_stripes();
 // W8A8: x [.., K] (fp32 or bf16; K a multiple of 16) quantized to int8 per row (or with input_scale [1] and
 // input_offset [1]) times int8 weight [N, K]^T with per-channel weight_scale [N, 1] (+ bias), exact int32 sums; the

@@ -26,10 +26,7 @@ void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d
         const __mmask16 lanes = first_lanes(dim - d);
         const __m512 g = bf16_to_fp32(_mm256_maskz_loadu_epi16(lanes, gate + d));
         const __m512 u = bf16_to_fp32(_mm256_maskz_loadu_epi16(lanes, up + d));
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        const __m512 product = _mm512_mul_ps(bf16_to_fp32(fp32_to_bf16(silu)), u);
-        _mm256_mask_storeu_epi16(o + d, lanes, fp32_to_bf16(product));
+        _mm256_mask_storeu_epi16(o + d, lanes, silu_times(g, u));
       }
     }
   });

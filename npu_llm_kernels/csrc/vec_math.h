@@ -132,4 +132,13 @@ inline __m256i fp32_to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(rounded);
 #endif
 }
+
+// The gated MLP's activation on 16 bf16 gate and up values (in fp32): silu(gate) rounded to bf16, times up, rounded
+// to bf16, as torch_ref.silu_and_mul's two ops round; one definition for csrc/silu_and_mul_cpu.cpp and the matmul that
+// fuses it (csrc/linear_bf16_avx512.cpp), so the two agree bit for bit.
+inline __m256i silu_times(__m512 gate, __m512 up) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+  const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return fp32_to_bf16(_mm512_mul_ps(bf16_to_fp32(fp32_to_bf16(silu)), up));
+}
 #endif
