@@ -110,7 +110,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
     With AVX512-BF16 (level avx512_bf16), in stripes for csrc/linear_bf16_avx512.cpp (see _in_linear_stripes):
     1.2-1.6x faster than oneDNN's matmul at decode sizes on weights streamed from memory, level at prefill sizes;
-    fp32 sums rounded to bf16 once, as oneDNN's, in their own order. With AMX, in oneDNN's blocked layout, for its
+    fp32 sums rounded to bf16 once, as oneDNN's, in their own order (an MLP's [gate | up] also with the activation
+    in the same pass: linear_silu_and_mul). With AMX, in oneDNN's blocked layout, for its
     AMX tiles (the stripes were not measured there): 2-3.5x faster matmuls than F.linear at decode batch sizes, a
     little faster at prefill sizes, bit-identical results. Elsewhere
     the weights are packed as fp32 and `linear` runs in fp32: like a bf16 GEMM it accumulates in fp32 and
@@ -125,7 +126,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     if (weight.dtype != torch.bfloat16 or not features.x86 or not torch.backends.mkldnn.is_available()
             or not _enabled()):
         return weight
-    if features.level == "avx512_bf16" and compiled() is not None and compiled().has_linear_bf16_stripes():
+    ext = compiled()
+    if features.level == "avx512_bf16" and ext is not None and ext.has_linear_bf16_stripes():
         return _in_linear_stripes(weight)
     if features.native_bf16:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)

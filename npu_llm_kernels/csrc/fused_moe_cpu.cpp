@@ -12,6 +12,7 @@
 // its blocking) beats these tiles. Rounding follows torch_ref: matmul outputs and the activation are rounded to the
 // dtype; the per-token sum is in fp32.
 #include "ops.h"
+#include "stripe_tile.h"
 #include "vec_math.h"
 
 #include <ATen/native/CPUBlas.h>
@@ -88,28 +89,22 @@ inline void tile(const float* x, const T* w, int64_t k, int64_t n, int64_t n0, T
 }
 
 #if defined(__AVX512BF16__)
-// The bf16 tile where the CPU has AVX512-BF16: weights in pairs of k ([k / 2, kStripe, 2] per stripe, see
-// expert_layout()), each dpbf16 multiplying 16 columns by two k at once, exactly, in fp32 (no widening, half the
-// instructions). x stays bf16: a token's two values go out as one 32-bit broadcast.
-template <int M>
-inline void tile_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t n0,
-                       at::BFloat16* y) {
-  __m512 acc[M][kVectors];
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += 2) {
-    const at::BFloat16* row = w + c * kStripe;  // (pair c / 2: kStripe columns x 2 values)
-    __m512bh wv[kVectors];
-    for (int v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(row + v * 2 * kWidth);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xm = (__m512bh)_mm512_set1_epi32(bf16_pair(x + m * k + c));
-      for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xm, wv[v]);
-    }
-  }
-  alignas(64) float out[kStripe];
-  for (int m = 0; m < M; ++m) {
-    for (int v = 0; v < kVectors; ++v) _mm512_store_ps(out + v * kWidth, acc[m][v]);
-    for (int64_t i = 0; i < kStripe; ++i) y[m * n + n0 + i] = static_cast<at::BFloat16>(out[i]);
+// The bf16 stripe where the CPU has AVX512-BF16: weights in pairs of k ([k / 2, kStripe, 2] per stripe, see
+// expert_layout()), in csrc/stripe_tile.h's register tiles (a model's linear layers run on them too); x stays bf16.
+static_assert(kStripe == stripe_tile::kStripe, "the experts' stripes are the tiles' width");
+
+void stripe_pairs(const at::BFloat16* x, int64_t m, const at::BFloat16* w, int64_t k, int64_t n, int64_t n0,
+                  at::BFloat16* y) {
+  alignas(64) float sums[stripe_tile::kRows * kStripe];
+  stripe_tile::Prefetch none;  // (a task's stripe is read once, for all its tokens)
+  const auto* weights = reinterpret_cast<const uint16_t*>(w);
+  for (int64_t t = 0; t < m; t += stripe_tile::kRows) {
+    const int64_t rows = std::min<int64_t>(stripe_tile::kRows, m - t);
+    stripe_tile::tile_of(rows, reinterpret_cast<const uint16_t*>(x + t * k), k, weights, k, true, sums, none);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t v = 0; v < kVectors; ++v)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (t + r) * n + n0 + v * kWidth),
+                            fp32_to_bf16(_mm512_load_ps(sums + r * kStripe + v * kWidth)));
   }
 }
 
@@ -131,17 +126,6 @@ void stripe_brgemm(const at::BFloat16* x, int64_t m, const at::BFloat16* w, int6
   }
 }
 
-void stripe_pairs(const at::BFloat16* x, int64_t m, const at::BFloat16* w, int64_t k, int64_t n, int64_t n0,
-                  at::BFloat16* y) {
-  for (int64_t t = 0; t < m; t += kTokens) {
-    switch (std::min(kTokens, m - t)) {
-      case 1: tile_pairs<1>(x + t * k, w, k, n, n0, y + t * n); break;
-      case 2: tile_pairs<2>(x + t * k, w, k, n, n0, y + t * n); break;
-      case 3: tile_pairs<3>(x + t * k, w, k, n, n0, y + t * n); break;
-      default: tile_pairs<4>(x + t * k, w, k, n, n0, y + t * n); break;
-    }
-  }
-}
 constexpr bool kPairs = true;
 #else
 constexpr bool kPairs = false;
