@@ -390,12 +390,14 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """torch_ref.linear_silu_and_mul; on bf16 stripes whose gate and up halves are whole stripes, in one pass
     (csrc/linear_bf16_avx512.cpp, gated): the same bits as silu_and_mul(linear(..)), without [gate | up] written out
     and read back."""
-    if hasattr(weight, "unpacked_shape") and x.dtype == torch.bfloat16:
-        rows, k = weight.unpacked_shape
-        ext = compiled()
-        if ext is not None and rows % (2 * LINEAR_STRIPE) == 0:
-            return ext.linear_bf16_stripes(x, weight, bias, rows // 2, k, gated=True)
-    return silu_and_mul(linear(x, weight, bias))
+    with scope("matmul"):  # (fused, the activation is timed with the matmul it rides in)
+        if hasattr(weight, "unpacked_shape") and x.dtype == torch.bfloat16:
+            rows, k = weight.unpacked_shape
+            ext = compiled()
+            if ext is not None and rows % (2 * LINEAR_STRIPE) == 0:
+                return ext.linear_bf16_stripes(x, weight, bias, rows // 2, k, gated=True)
+        gate_up = linear(x, weight, bias)
+    return silu_and_mul(gate_up)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):

@@ -259,7 +259,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The gated MLP's projection and activation: silu_and_mul of x times its [gate | up] weights [2I, K]."""
-    return silu_and_mul(linear(x, weight, bias))
+    with scope("matmul"):
+        gate_up = linear(x, weight, bias)
+    return silu_and_mul(gate_up)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):

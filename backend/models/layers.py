@@ -162,6 +162,5 @@ class MLP(nn.Module):
         has a matmul of its own)."""
         gate_up = self.gate_up_proj
         if gate_up.scheme is None and gate_up.lora is None:
-            with scope("matmul"):
-                return self.ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
+            return self.ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
         return self.ops.silu_and_mul(gate_up(x))

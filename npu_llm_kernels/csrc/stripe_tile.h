@@ -54,8 +54,8 @@ inline void tile(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k, b
 
 // tile for `rows` (1 ... kRows) rows.
 template <int R = kRows>
-inline void tile_of(int64_t rows, const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k, bool first, float* sums,
-             Prefetch& pf) {
+inline void tile_of(int64_t rows, const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k, bool first,
+                    float* sums, Prefetch& pf) {
   if constexpr (R > 1)
     if (rows < R) return tile_of<R - 1>(rows, x, lda, w, k, first, sums, pf);
   tile<R>(x, lda, w, k, first, sums, pf);
