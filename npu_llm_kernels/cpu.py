@@ -408,9 +408,12 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     return q, k
 
 
-# Experts with this many tokens or more run their matmuls through oneDNN (bf16 on AVX512-BF16, fp32 on any x86),
-# fewer through csrc/fused_moe_cpu.cpp's own tiles. oneDNN's matmul wants the weights whole, so each such call first
-# puts one expert's stripes back together: on Sapphire Rapids (W3's layer, bf16) that paid from about 192 tokens.
+# fp32 experts with this many tokens or more run their matmuls through oneDNN, fewer through csrc/fused_moe_cpu.cpp's
+# own tiles. oneDNN's matmul wants the weights whole, so each such call first puts one expert's stripes back together:
+# on Sapphire Rapids (W3's layer) that paid from about 192 tokens. bf16 experts on AVX512-BF16 stay on the tiles
+# (csrc/stripe_tile.h) at every size: on a Zen 5 they were level with oneDNN up to 1024 tokens and 1.4-1.7x faster at
+# a 2048-token prefill chunk (W3's, W4's and a 1024 x 768 layer), where oneDNN's one call per busy expert, each on
+# weights put back together, ran at 380-450 GFLOP/s against the tiles' 640-670 (W3 offline 1.12x, W4 1.05x).
 ONEDNN_EXPERT_TOKENS = 192
 # On AMX, bf16 experts with this many tokens or more run on AMX tiles instead, through oneDNN's brgemm microkernel on
 # the packed weights as they lie (no copy). On W3's layer (64 experts, top-8; `npu-llm bench moe`), against the
@@ -466,7 +469,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             whole13, whole2 = (_whole(w, w.stripes == "pairs") for w in (w13, w2))
             return torch_ref.fused_experts(x, whole13, whole2, topk_weights, topk_ids, first_expert)
         amx = w13.stripes == "pairs" and cpu_features().level == "amx"
-        onednn_from = ONEDNN_EXPERT_TOKENS if x.dtype == torch.float32 or (cpu_features().native_bf16 and not amx) else 0
+        onednn_from = ONEDNN_EXPERT_TOKENS if x.dtype == torch.float32 else 0
         return ext.fused_experts(x.contiguous(), w13, w2, topk_weights, topk_ids, first_expert, onednn_from,
                                  BRGEMM_EXPERT_TOKENS if amx else 0)
 

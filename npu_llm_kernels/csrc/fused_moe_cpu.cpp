@@ -8,8 +8,9 @@
 // (pack_expert_weights in npu_llm_kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and
 // computes outer products: each weight vector read once per tile of tokens, each token's value broadcast, no
 // horizontal sums. An expert with many tokens (prefill) runs on AMX tiles where the CPU has them, through oneDNN's
-// brgemm microkernel on the same packed stripes; elsewhere it gets oneDNN's matmul, where AVX512-BF16 (or, in fp32,
-// its blocking) beats these tiles. Rounding follows torch_ref: matmul outputs and the activation are rounded to the
+// brgemm microkernel on the same packed stripes; in bf16 on AVX512-BF16 it stays on the tiles (level with oneDNN's
+// matmul at a few hundred tokens, faster at a 2048-token chunk: npu_llm_kernels/cpu.py ONEDNN_EXPERT_TOKENS); in fp32
+// an expert with `big` tokens gets oneDNN's matmul, whose blocking beats these tiles there. Rounding follows torch_ref: matmul outputs and the activation are rounded to the
 // dtype; the per-token sum is in fp32.
 #include "ops.h"
 #include "stripe_tile.h"
