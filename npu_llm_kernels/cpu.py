@@ -386,6 +386,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch_ref.silu_and_mul(x) if ext is None else ext.silu_and_mul(x.contiguous())
 
 
+def matmul_dtype(dtype: torch.dtype) -> torch.dtype:
+    """torch_ref.matmul_dtype: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX: torch's bf16 bmm there
+    is 3.6x its fp32 one at MLA's per-head shapes, 16 x [64, 128] x [128, 512], on a Zen 5); elsewhere fp32, since
+    oneDNN emulates bf16 there at a fraction of its fp32 speed (torch's bf16 bmm ~30x slower on AVX2)."""
+    if dtype == torch.bfloat16 and not cpu_features().native_bf16:
+        return torch.float32
+    return dtype
+
+
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch_ref.linear_silu_and_mul; on bf16 stripes whose gate and up halves are whole stripes, in one pass
     (csrc/linear_bf16_avx512.cpp, gated): the same bits as silu_and_mul(linear(..)), without [gate | up] written out

@@ -17,6 +17,7 @@ from npu_llm_kernels.torch_ref import (  # noqa: F401
     pack_w8a16_weight,
     linear,
     linear_silu_and_mul,
+    matmul_dtype,
     lora_add,
     pack_expert_weights,
     pack_lora_weights,

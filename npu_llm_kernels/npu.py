@@ -25,7 +25,7 @@ from npu_llm_kernels.npu_quant import (  # noqa: F401  (W8A8, W8A16)
 )
 from npu_llm_kernels.timing import scope
 # plain torch on the NPU
-from npu_llm_kernels.torch_ref import linear, linear_silu_and_mul, pack_linear_weight, silu_and_mul  # noqa: F401
+from npu_llm_kernels.torch_ref import linear, linear_silu_and_mul, matmul_dtype, pack_linear_weight, silu_and_mul  # noqa: F401
 # LoRA's shrink and expand as torch matmuls: vllm-ascend's punica ops are AscendC kernels of its own, not torch_npu's
 from npu_llm_kernels.torch_ref import lora_add, pack_lora_weights  # noqa: F401
 from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts

@@ -74,6 +74,7 @@ class MLAttention(nn.Module):
         self.num_kv_heads, self.cache_dim = 1, self.kv_lora_rank + self.rope_dim
         self.scale = mla_softmax_scale(config)
         self.interleaved = interleaved_rope(config)
+        self.ops = ops
         if ops is not None:  # (None: check_model builds the module to validate the config)
             ops.MLA.check(self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_head_dim)
             self.kernels = ops.MLA(ops, self.num_heads, self.kv_lora_rank, self.rope_dim, self.scale)
@@ -111,9 +112,9 @@ class MLAttention(nn.Module):
             kv_rows[self.kv_lora_rank:] = kv_rows[self.kv_lora_rank:][order]
             _permute_rows(self.kv_a_proj_with_mqa, kv_rows)
         w = self.kv_b_proj.weight.data.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
-        # On the CPU in fp32: torch's bf16 bmm there is ~30x slower than its fp32 one (no oneDNN bf16 path without
-        # AVX512-BF16), and these two matmuls run at every step.
-        dtype = torch.float32 if w.device.type == "cpu" else w.dtype
+        # in the dtype the platform's torch.bmm multiplies fastest (a CPU without bf16 hardware: fp32); these two
+        # matmuls run at every step
+        dtype = self.ops.matmul_dtype(w.dtype)
         self.w_uk = w[:, :self.nope_dim].to(dtype).contiguous()
         self.w_uv = w[:, self.nope_dim:].transpose(1, 2).to(dtype).contiguous()
 
