@@ -14,7 +14,8 @@ capture. Between them:
 The table splits the time by step kind (prefill-only, decode-only, mixed) into ms per step and % of the
 capture's wall time. A mixed step's matmuls run over prefill and decode tokens at once: they are split
 between the two rows in proportion to those tokens. Decode steps replayed as device graphs run no
-Python scopes: their whole forward pass counts under "norms, rotary, activation".
+Python scopes: their whole forward pass counts under "norms, rotary, activation". Where the MLP's activation rides
+in its matmul (bf16 weights in stripes, docs/devices.md), it counts with the matmuls.
 """
 from __future__ import annotations
 
