@@ -388,11 +388,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def matmul_dtype(dtype: torch.dtype) -> torch.dtype:
     """torch_ref.matmul_dtype: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX: torch's bf16 bmm there
-    is 3.6x its fp32 one at MLA's per-head shapes, 16 x [64, 128] x [128, 512], on a Zen 5); elsewhere fp32, since
-    oneDNN emulates bf16 there at a fraction of its fp32 speed (torch's bf16 bmm ~30x slower on AVX2)."""
-    if dtype == torch.bfloat16 and not cpu_features().native_bf16:
-        return torch.float32
-    return dtype
+    is 3.6x its fp32 one at MLA's per-head shapes, 16 x [64, 128] x [128, 512], on a Zen 5); every other dtype, and
+    bf16 elsewhere, in fp32 (oneDNN emulates bf16 there at a fraction of its fp32 speed: torch's bf16 bmm ~30x slower
+    on AVX2; fp16 has no fast CPU path)."""
+    return dtype if dtype == torch.bfloat16 and cpu_features().native_bf16 else torch.float32
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,8 +24,9 @@ from npu_llm_kernels.npu_quant import (  # noqa: F401  (W8A8, W8A16)
     ACL_FORMAT_FRACTAL_NZ, int8_linear, pack_int8_weight, pack_w8a16_weight, w8a16_linear,
 )
 from npu_llm_kernels.timing import scope
-# plain torch on the NPU
-from npu_llm_kernels.torch_ref import linear, linear_silu_and_mul, matmul_dtype, pack_linear_weight, silu_and_mul  # noqa: F401
+from npu_llm_kernels.torch_ref import (  # noqa: F401  (plain torch on the NPU)
+    linear, linear_silu_and_mul, matmul_dtype, pack_linear_weight, silu_and_mul,
+)
 # LoRA's shrink and expand as torch matmuls: vllm-ascend's punica ops are AscendC kernels of its own, not torch_npu's
 from npu_llm_kernels.torch_ref import lora_add, pack_lora_weights  # noqa: F401
 from npu_llm_kernels.torch_ref import select_experts as _ref_select_experts

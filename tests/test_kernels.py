@@ -257,8 +257,9 @@ def test_bf16_stripes_linear_at_the_shapes_it_tiles(rows, k, n, cpu_level):
 def test_gated_bf16_stripes_linear_is_silu_and_mul_of_the_matmul_bit_for_bit(rows, k, half, cpu_level):
     """The MLP's [gate | up] matmul with silu(gate) * up in its store (csrc/linear_bf16_avx512.cpp, gated): the same
     bits as silu_and_mul of the plain matmul, through tile tails, an odd K, rows split in two (13 rows on 3 stripes,
-    with two threads), row blocks (300: two of 150) and K blocks (4100), with and without a bias; cpu.linear_silu_and_mul takes it for
-    bf16 stripes and silu_and_mul(linear(..)) for everything else, halves not whole stripes too."""
+    with two threads), row blocks (300: two of 150) and K blocks (4100), with and without a bias;
+    cpu.linear_silu_and_mul takes it for bf16 stripes and silu_and_mul(linear(..)) for everything else, halves not
+    whole stripes too."""
     torch.manual_seed(rows * k + half)
     weight, bias = torch.randn(2 * half, k).bfloat16() / k**0.5, torch.randn(2 * half).bfloat16()
     x = torch.randn(rows, k).bfloat16()

@@ -1,17 +1,17 @@
 // The experts of one MoE layer in one call (npu_llm_kernels/torch_ref.py fused_experts defines it): the (token, expert)
-// pairs sorted by expert, each expert's gate/up matmul, silu(gate) * up, its down matmul, and the weighted sum
-// back per token.
+// pairs sorted by expert, each expert's gate/up matmul, silu(gate) * up, its down matmul, and the weighted sum back per
+// token.
 //
-// Why a kernel: at decode an expert sees a few tokens, and torch_ref's per-expert loop spends more time issuing
-// 64 experts' small matmuls from Python than in them. Here the experts with few tokens are (expert, stripe of
-// output columns) tasks of one parallel region. The weights are stored in stripes, [E, N / S, K, S]
-// (pack_expert_weights in npu_llm_kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and
-// computes outer products: each weight vector read once per tile of tokens, each token's value broadcast, no
-// horizontal sums. An expert with many tokens (prefill) runs on AMX tiles where the CPU has them, through oneDNN's
-// brgemm microkernel on the same packed stripes; in bf16 on AVX512-BF16 it stays on the tiles (level with oneDNN's
-// matmul at a few hundred tokens, faster at a 2048-token chunk: npu_llm_kernels/cpu.py ONEDNN_EXPERT_TOKENS); in fp32
-// an expert with `big` tokens gets oneDNN's matmul, whose blocking beats these tiles there. Rounding follows torch_ref: matmul outputs and the activation are rounded to the
-// dtype; the per-token sum is in fp32.
+// Why a kernel: at decode an expert sees a few tokens, and torch_ref's per-expert loop spends more time issuing 64
+// experts' small matmuls from Python than in them. Here the experts with few tokens are (expert, stripe of output
+// columns) tasks of one parallel region. The weights are stored in stripes, [E, N / S, K, S] (pack_expert_weights in
+// npu_llm_kernels/cpu.py; S = expert_stripe()), so that a task streams one contiguous block and computes outer
+// products: each weight vector read once per tile of tokens, each token's value broadcast, no horizontal sums. An
+// expert with many tokens (prefill) runs on AMX tiles where the CPU has them, through oneDNN's brgemm microkernel on
+// the same packed stripes; in bf16 on AVX512-BF16 it stays on the tiles (level with oneDNN's matmul at a few hundred
+// tokens, faster at a 2048-token chunk: npu_llm_kernels/cpu.py ONEDNN_EXPERT_TOKENS); in fp32 an expert with `big`
+// tokens gets oneDNN's matmul, whose blocking beats these tiles there. Rounding follows torch_ref: matmul outputs and
+// the activation are rounded to the dtype; the per-token sum is in fp32.
 #include "ops.h"
 #include "stripe_tile.h"
 #include "vec_math.h"
@@ -148,9 +148,9 @@ void stripe(const float* x, int64_t m, const T* w, int64_t k, int64_t n, int64_t
 }
 
 // y [pairs, n] = x [pairs, k] w_e [k, n] for each expert's rows of x (w: [E, n / kStripe, k, kStripe]): the experts
-// with fewer than `big` pairs in one parallel region of (expert, stripe, up to kTaskRows rows) tasks, then the others
-// one oneDNN matmul each (parallel inside; their [k, n] weights are put back together first, a small copy beside the
-// matmul). In pairs, experts with at least `brgemm_from` rows (0: none) take stripe_brgemm rather than the tiles.
+// with fewer than `big` pairs in one parallel region of (expert, stripe, up to kTaskRows rows) tasks, then (fp32 only:
+// bf16 experts take the tiles at every size) the others one oneDNN matmul each (parallel inside; their [k, n] weights
+// are put back together first, a small copy beside the matmul). In pairs, experts with at least `brgemm_from` rows (0: none) take stripe_brgemm rather than the tiles.
 constexpr int64_t kTaskRows = 128;  // a task's rows: a busy expert's stripe is split, so threads end together
 
 template <typename T>
@@ -194,12 +194,11 @@ void experts_matmul(const at::Tensor& x, const at::Tensor& w, const std::vector<
     if (used_brgemm) at::native::cpublas::brgemm_release(true);  // (hands the AMX tile state back)
 #endif
   });
+  if constexpr (!std::is_same_v<T, float>) return;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t first = offsets[e], count = offsets[e + 1] - first;
     if (count < big) continue;
-    // [n / S, k, S] (or [n / S, k / 2, S, 2] in pairs) back to [k, n]
-    const at::Tensor whole = pairs ? w[e].view({n / kStripe, k / 2, kStripe, 2}).permute({1, 3, 0, 2}).reshape({k, n})
-                                   : w[e].permute({1, 0, 2}).reshape({k, n});
+    const at::Tensor whole = w[e].permute({1, 0, 2}).reshape({k, n});  // [n / S, k, S] back to [k, n]
     // oneDNN builds a kernel for every new shape, which costs more than the matmul: the rows are padded to a
     // multiple of kOneDnnRows, so that a few shapes serve every step (its primitive cache keeps them).
     const int64_t padded = (count + kOneDnnRows - 1) / kOneDnnRows * kOneDnnRows;
@@ -274,7 +273,9 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
     }
   }
 
-  const int64_t big = onednn_from > 0 ? onednn_from : pairs + 1;  // experts with this many pairs: oneDNN
+  TORCH_CHECK(onednn_from == 0 || x.scalar_type() == at::kFloat,
+              "fused_experts: bf16 experts run on the tiles (or AMX's brgemm) at every size; onednn_from is for fp32");
+  const int64_t big = onednn_from > 0 ? onednn_from : pairs + 1;  // fp32 experts with this many pairs: oneDNN
   const at::Tensor gathered = at::index_select(x, 0, rows);
   at::Tensor gate_up = at::empty({held, 2 * inter}, x.options());
   at::Tensor down = at::empty({held, hidden}, x.options());

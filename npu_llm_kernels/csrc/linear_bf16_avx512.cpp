@@ -8,16 +8,16 @@
 // takes next while it computes on the current one, so memory and arithmetic overlap. At prefill sizes they are
 // level with oneDNN (SmolLM2's and Llama-8B's layers, AMD Zen 5).
 //
-// A task is one stripe of the output (or, to keep both cores busy on a few stripes, half its rows): register tiles
-// of 6 rows x 64 columns (csrc/stripe_tile.h) walk k, each weight vector loaded once per tile and each row's pair of
-// values broadcast. Over a long k the stripe is walked in blocks that stay in L2 for all of the task's rows, the
-// sums kept in fp32 between blocks. Each output row's sums run in the same order whatever the batch: a row's result does not depend on the
-// rows beside it. Rounding: fp32 sums, plus the bias, rounded to bf16 once.
+// A task is one stripe of the output (or, to keep both cores busy on a few stripes, half its rows): register tiles of 6
+// rows x 64 columns (csrc/stripe_tile.h) walk k, each weight vector loaded once per tile and each row's pair of values
+// broadcast. Over a long k the stripe is walked in blocks that stay in L2 for all of the task's rows, the sums kept in
+// fp32 between blocks. Each output row's sums run in the same order whatever the batch: a row's result does not depend
+// on the rows beside it. Rounding: fp32 sums, plus the bias, rounded to bf16 once.
 //
-// Gated (the MLP's [gate | up] projection, each half whole stripes): a task reads two weight stripes, computes a
-// stripe of gate and the same stripe of up, and stores silu(gate) * up (vec_math.h's silu_times, on the two rounded to bf16 as the plain matmul
-// stores them): the same bits as silu_and_mul of the plain matmul, without writing [gate | up] out and reading it
-// back, which at prefill sizes (2048 rows x 3072 of SmolLM2's) costs as much as a fifth of the matmul.
+// Gated (the MLP's [gate | up] projection, each half whole stripes): a task reads two weight stripes, computes a stripe
+// of gate and the same stripe of up, and stores silu(gate) * up (vec_math.h's silu_times, on the two rounded to bf16 as
+// the plain matmul stores them): the same bits as silu_and_mul of the plain matmul, without writing [gate | up] out and
+// reading it back, which at prefill sizes (2048 rows x 3072 of SmolLM2's) costs as much as a fifth of the matmul.
 #include "ops.h"
 #include "stripe_tile.h"
 #include "vec_math.h"
