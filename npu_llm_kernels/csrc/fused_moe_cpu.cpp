@@ -150,7 +150,8 @@ void stripe(const float* x, int64_t m, const T* w, int64_t k, int64_t n, int64_t
 // y [pairs, n] = x [pairs, k] w_e [k, n] for each expert's rows of x (w: [E, n / kStripe, k, kStripe]): the experts
 // with fewer than `big` pairs in one parallel region of (expert, stripe, up to kTaskRows rows) tasks, then (fp32 only:
 // bf16 experts take the tiles at every size) the others one oneDNN matmul each (parallel inside; their [k, n] weights
-// are put back together first, a small copy beside the matmul). In pairs, experts with at least `brgemm_from` rows (0: none) take stripe_brgemm rather than the tiles.
+// are put back together first, a small copy beside the matmul). In pairs, experts with at least `brgemm_from` rows
+// (0: none) take stripe_brgemm rather than the tiles.
 constexpr int64_t kTaskRows = 128;  // a task's rows: a busy expert's stripe is split, so threads end together
 
 template <typename T>

@@ -77,8 +77,8 @@ at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scale, co
                            bool bf16);
 // The experts of a MoE layer (npu_llm_kernels/torch_ref.py fused_experts), x and weights fp32 or bf16, the weights in
 // stripes of expert_stripe() columns ([E, N / S, K, S]); fp32 experts with at least `onednn_from` tokens (0: none; bf16
-// takes 0) run their matmuls through oneDNN's matmul, bf16 ones with at least `brgemm_from` (0: none; pairs builds) through its brgemm
-// microkernel on the packed weights. has_fused_experts: whether this build has it.
+// takes 0) run their matmuls through oneDNN's matmul, bf16 ones with at least `brgemm_from` (0: none; pairs builds)
+// through its brgemm microkernel on the packed weights. has_fused_experts: whether this build has it.
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t first_expert,
                          int64_t onednn_from, int64_t brgemm_from);
