@@ -343,10 +343,11 @@ def test_cpu_silu_and_mul_matches_torch_ref(dtype, cpu_level):
 
 
 
-def test_cpu_rotary_refuses_positions_outside_its_table(cpu_level):
+@pytest.mark.parametrize("positions", [[0, 300], [-1, 5]])
+def test_cpu_rotary_refuses_positions_outside_its_table(cpu_level, positions):
     q, k = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
     with pytest.raises(RuntimeError, match="outside cos_sin_cache"):
-        cpu.rotary_embedding(torch.tensor([0, 300]), q, k, torch.randn(300, 32))
+        cpu.rotary_embedding(torch.tensor(positions), q, k, torch.randn(300, 32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
