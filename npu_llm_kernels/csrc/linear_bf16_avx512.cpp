@@ -150,8 +150,9 @@ at::Tensor linear_bf16_stripes(const at::Tensor& x, const at::Tensor& weight, co
               "linear_bf16_stripes: gated weights are two halves of whole stripes; got n = ", n, " for ",
               weight.size(0), " stripes");
   const int64_t stripes = gated ? weight.size(0) / 2 : weight.size(0);
+  const int64_t weight_rows = gated ? 2 * n : n;  // (and bias elements)
   TORCH_CHECK(x.size(-1) == k && weight.size(1) == k + k % 2 && n <= stripes * kStripe && n > (stripes - 1) * kStripe,
-              "linear_bf16_stripes: x [.., ", x.size(-1), "] and weights [", (gated ? 2 : 1) * n, ", ", k,
+              "linear_bf16_stripes: x [.., ", x.size(-1), "] and weights [", weight_rows, ", ", k,
               "] do not match, or the weights' stripes ", weight.sizes(), " are not theirs");
   at::Tensor rows = x.reshape({-1, k});
   if (rows.stride(1) != 1) rows = rows.contiguous();
@@ -161,8 +162,8 @@ at::Tensor linear_bf16_stripes(const at::Tensor& x, const at::Tensor& weight, co
   at::Tensor y = at::empty(shape, x.options());
   std::optional<at::Tensor> bias32;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == (gated ? 2 : 1) * n, "linear_bf16_stripes: bias of ", bias->numel(), " for ",
-                (gated ? 2 : 1) * n, " outputs");
+    TORCH_CHECK(bias->numel() == weight_rows, "linear_bf16_stripes: bias of ", bias->numel(), " for ", weight_rows,
+                " outputs");
     bias32 = bias->to(at::kFloat).contiguous();
   }
   if (m == 0) return y;
