@@ -202,9 +202,9 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
       if (task == begin || h == 0)  // (a thread's tasks of one sequence share its offsets)
         row_offsets(block_tables + seq * max_blocks, block_size, token_stride, ctx, offsets);
       scores_of_head<D>(q, scale, PrefetchedRows<D, T>(key_cache + h * D, offsets), ctx, group, padded, scores.data());
-      // The V rows' first lines are on their way while the softmax runs, not after it (1.02-1.03x in one process on
-      // caches larger than L3, level at 32 sequences and in fp32). Prefetching more at once, the V rows during the K
-      // pass or the next head's first K rows during the V pass, measured slower (up to 2x): not kept.
+      // The first PREFETCH_AHEAD V rows are on their way while the softmax runs, not after it (1.02-1.03x in one
+      // process on caches larger than L3, level at 32 sequences and in fp32). Prefetching more at once, the V rows
+      // during the K pass or the next head's first K rows during the V pass, measured slower (up to 2x): not kept.
       const PrefetchedRows<D, T> values(value_cache + h * D, offsets);
       for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * padded, ctx);
       for (int64_t g = 0; g < group; g += heads_at_once<D>())
