@@ -5,8 +5,8 @@ step) happens there, fed through a command queue. Built anywhere else, it would 
 the CPU: torch's OpenMP runtime (libgomp) keeps a pool of worker threads for each thread that runs parallel work,
 and once it manages more threads than there are cores it stops its workers spinning between parallel regions, so
 every small op pays to wake them (docs/performance.md, "One OpenMP pool"). Outputs travel back to each caller's event
-loop with call_soon_threadsafe, so the step loop never waits on asyncio and asyncio never
-waits on a step. The step thread alone maps request ids to streams, in command order, so an
+loop with call_soon_threadsafe, one call a step for all of a loop's outputs, so the step loop never waits on asyncio
+and asyncio never waits on a step. The step thread alone maps request ids to streams, in command order, so an
 abort of a finished request can never reach a newer request that reuses its id.
 
 A failure that belongs to requests ends those requests' streams with its error. Any other
@@ -46,10 +46,34 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is gone; nobody is listening
-            pass
+        _hand_over(self.loop, [(self.queue, item)])
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, object]]) -> None:
+    """Put each (queue, item) on its queue, on the queues' loop: one call (and one wakeup of that loop) for them all."""
+    def put_all():
+        for queue, item in items:
+            queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the caller's loop is gone; nobody is listening
+        pass
+
+
+class _StepOutputs:
+    """A step's outputs and errors, grouped by their callers' event loops and handed to each loop at once: one
+    wakeup a step rather than one a request (a served step's 64 outputs all go to the same loop)."""
+
+    def __init__(self):
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+
+    def put(self, stream: _Stream, item) -> None:
+        self._by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+
+    def hand_over(self) -> None:
+        for loop, items in self._by_loop.items():
+            _hand_over(loop, items)
 
 
 # The commands the step thread takes, in the order they were sent.
@@ -244,10 +268,12 @@ class AsyncEngine:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            outputs = _StepOutputs()
             for output in engine.step():
-                self._deliver(output.request_id, output)
+                self._deliver(output.request_id, output, outputs)
             for request_id, error in engine.take_failures().items():
-                self._deliver(request_id, error)
+                self._deliver(request_id, error, outputs)
+            outputs.hand_over()
             self._stats = engine.stats()
         for request_id in engine.unfinished_ids():
             self._deliver(request_id, engine.abort_request(request_id, emit_output=False))
@@ -332,11 +358,16 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is gone
             pass
 
-    def _deliver(self, request_id: str, item) -> None:
-        """An output or an error for a request's stream; a final one (finished, or an error) ends the route."""
+    def _deliver(self, request_id: str, item, step_outputs: _StepOutputs | None = None) -> None:
+        """An output or an error for a request's stream (now, or with the rest of `step_outputs`); a final one
+        (finished, or an error) ends the route."""
         if item is None:
             return
         final = isinstance(item, BaseException) or item.finished
         stream = self._routes.pop(request_id, None) if final else self._routes.get(request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        if step_outputs is None:
             stream.put(item)
+        else:
+            step_outputs.put(stream, item)
