@@ -49,6 +49,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 UNSUPPORTED_LORA = "[Error] Unsupported LoRA."  # the text_output of vllm_backend's refusal of a lora_name
 # finalize() waits this long, all requests together, for in-flight requests to send their last response.
 FINALIZE_WAIT_S = 5.0
+# A request is asked about at most this often whether its client cancelled it: each ask is a round trip to the Triton
+# process, which at every token of every stream cost throughput with the serving path the bound (docs/performance.md).
+# A cancelled request still stops within this long and a step.
+CANCELLED_CHECK_S = 0.2
 
 
 def _bool_parameter(parameters: dict, key: str, default: bool) -> bool:
@@ -70,6 +74,16 @@ class _Sender:
     def __init__(self, sender):
         self.sender = sender
         self.cancelled = False
+        self._asked_at = time.monotonic()
+
+    def ask_cancelled(self) -> bool:
+        """Whether the client cancelled the request, asked of Triton at most every CANCELLED_CHECK_S (by the sender
+        thread for a stream, by the request's coroutine otherwise: one asker a request)."""
+        now = time.monotonic()
+        if not self.cancelled and now - self._asked_at >= CANCELLED_CHECK_S:
+            self.cancelled = self.sender.is_cancelled()
+            self._asked_at = now
+        return self.cancelled
 
 
 class TritonPythonModel:
@@ -220,7 +234,7 @@ class TritonPythonModel:
         gaps = InterTokenTimes()
         async for output in self.engine.generate(parsed.engine_prompt, parsed.params, request_id, lora):
             gaps.update(output)
-            if sender.cancelled or (not parsed.stream and sender.sender.is_cancelled()):
+            if sender.cancelled or (not parsed.stream and sender.ask_cancelled()):
                 self.logger.log_info(f"[npu-llm] request {request_id} cancelled")
                 self.engine.abort(request_id)
                 self._record(output, parsed, gaps, cancelled=True)
@@ -315,7 +329,7 @@ class TritonPythonModel:
             try:
                 sender.sender.send(response, flags)
                 if not flags & FINAL:
-                    sender.cancelled = sender.sender.is_cancelled()
+                    sender.ask_cancelled()
             except Exception:
                 self.logger.log_error(f"[npu-llm] sending a response failed: {traceback.format_exc()}")
 
