@@ -7,7 +7,7 @@
 // instead of a full reduction each); bf16 keys are multiplied as they lie in the cache where the CPU has
 // AVX512-BF16. The output accumulates in registers, each V row converted to fp32 once for all the query
 // heads of its group. Each row's place in the cache is looked up once per sequence (row_offsets), and rows are
-// prefetched two tiles ahead: a sequence's blocks lie anywhere in the cache, so the hardware prefetchers cannot
+// prefetched ahead (PrefetchedRows): a sequence's blocks lie anywhere in the cache, so the hardware prefetchers cannot
 // guess them. Measured against the portable kernel: 1.3x faster on a cache far larger than L3, 1.5x on one that
 // fits; prefetching whole rows rather than their first cache line made 1.4x of that, and the offsets looked up
 // once rather than walked row by row through the block table 1.05-1.1x more (W1's and W2's batches, Zen 5).
@@ -63,27 +63,34 @@ void row_offsets(const int32_t* table, int64_t block_size, int64_t token_stride,
   }
 }
 
-// The rows of one KV head in token order, each prefetched PREFETCH_AHEAD tokens before it is read: a sequence's
-// blocks lie anywhere in the cache, so the hardware prefetchers cannot guess them.
-constexpr int64_t PREFETCH_AHEAD = 2 * TILE;
+// The rows of one KV head in token order, each prefetched twice before it is read: into L2 FAR_AHEAD tokens before,
+// into L1 NEAR_AHEAD tokens before. A sequence's blocks lie anywhere in the cache, so the hardware prefetchers cannot
+// guess them. With prefetches into L1 alone (two tiles ahead) one core read the cache at about 14 GB/s, two at 27,
+// against 43-47 for a streaming read (our reading: each such prefetch holds one of the core's few L1 misses in flight
+// until its line comes); adding the far ones into L2 made the kernel 1.06-1.08x faster in bf16, level in fp32 (Zen 5,
+// docs/performance.md).
+constexpr int64_t NEAR_AHEAD = TILE, FAR_AHEAD = 4 * TILE;
 
 template <int D, typename T>
 class PrefetchedRows {
  public:
   PrefetchedRows(const T* head, const std::vector<int64_t>& offsets)
       : head_(head), offsets_(offsets.data()), ctx_(static_cast<int64_t>(offsets.size())) {
-    for (int64_t t = 0; t < std::min(PREFETCH_AHEAD, ctx_); ++t) prefetch(t);
+    for (int64_t t = 0; t < std::min(FAR_AHEAD, ctx_); ++t) prefetch<_MM_HINT_T1>(t);
+    for (int64_t t = 0; t < std::min(NEAR_AHEAD, ctx_); ++t) prefetch<_MM_HINT_T0>(t);
   }
   const T* get() const { return head_ + offsets_[t_]; }
   void next() {
     ++t_;
-    if (t_ + PREFETCH_AHEAD < ctx_) prefetch(t_ + PREFETCH_AHEAD);
+    if (t_ + FAR_AHEAD < ctx_) prefetch<_MM_HINT_T1>(t_ + FAR_AHEAD);
+    if (t_ + NEAR_AHEAD < ctx_) prefetch<_MM_HINT_T0>(t_ + NEAR_AHEAD);
   }
 
  private:
+  template <_mm_hint HINT>
   void prefetch(int64_t t) const {
     const char* row = reinterpret_cast<const char*>(head_ + offsets_[t]);
-    for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(T)); line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(T)); line += 64) _mm_prefetch(row + line, HINT);
   }
   const T* head_;
   const int64_t* offsets_;
@@ -202,7 +209,7 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
       if (task == begin || h == 0)  // (a thread's tasks of one sequence share its offsets)
         row_offsets(block_tables + seq * max_blocks, block_size, token_stride, ctx, offsets);
       scores_of_head<D>(q, scale, PrefetchedRows<D, T>(key_cache + h * D, offsets), ctx, group, padded, scores.data());
-      // The first PREFETCH_AHEAD V rows are on their way while the softmax runs, not after it (1.02-1.03x in one
+      // The first V rows are on their way while the softmax runs, not after it (1.02-1.03x in one
       // process on caches larger than L3, level at 32 sequences and in fp32). Prefetching more at once, the V rows
       // during the K pass or the next head's first K rows during the V pass, measured slower (up to 2x): not kept.
       const PrefetchedRows<D, T> values(value_cache + h * D, offsets);
