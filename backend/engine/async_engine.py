@@ -269,11 +269,13 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             outputs = _StepOutputs()
-            for output in engine.step():
-                self._deliver(output.request_id, output, outputs)
-            for request_id, error in engine.take_failures().items():
-                self._deliver(request_id, error, outputs)
-            outputs.hand_over()
+            try:
+                for output in engine.step():
+                    self._deliver(output.request_id, output, outputs)
+                for request_id, error in engine.take_failures().items():
+                    self._deliver(request_id, error, outputs)
+            finally:  # (a final output has left its route already: it must reach its stream whatever happens)
+                outputs.hand_over()
             self._stats = engine.stats()
         for request_id in engine.unfinished_ids():
             self._deliver(request_id, engine.abort_request(request_id, emit_output=False))

@@ -50,8 +50,8 @@ UNSUPPORTED_LORA = "[Error] Unsupported LoRA."  # the text_output of vllm_backen
 # finalize() waits this long, all requests together, for in-flight requests to send their last response.
 FINALIZE_WAIT_S = 5.0
 # A request is asked about at most this often whether its client cancelled it: each ask is a round trip to the Triton
-# process, which at every token of every stream cost throughput with the serving path the bound (docs/performance.md).
-# A cancelled request still stops within this long and a step.
+# process, and asking after every streamed token cost throughput where the serving path was the bound
+# (docs/performance.md). A cancelled request still stops within about this long and two steps (the ask follows a send).
 CANCELLED_CHECK_S = 0.2
 
 

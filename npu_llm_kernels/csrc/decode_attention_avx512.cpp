@@ -66,8 +66,8 @@ void row_offsets(const int32_t* table, int64_t block_size, int64_t token_stride,
 // The rows of one KV head in token order, each prefetched twice before it is read: into L2 FAR_AHEAD tokens before,
 // into L1 NEAR_AHEAD tokens before. A sequence's blocks lie anywhere in the cache, so the hardware prefetchers cannot
 // guess them. With prefetches into L1 alone (two tiles ahead) one core read the cache at about 14 GB/s, two at 27,
-// against 43-47 for a streaming read (our reading: each such prefetch holds one of the core's few L1 misses in flight
-// until its line comes); adding the far ones into L2 made the kernel 1.06-1.08x faster in bf16, level in fp32 (Zen 5,
+// against 43-63 for a streaming read (our reading: each such prefetch holds one of the core's few L1 misses in flight
+// until its line comes); adding the far ones into L2 made the kernel 1.06-1.09x faster in bf16, level in fp32 (Zen 5,
 // docs/performance.md).
 constexpr int64_t NEAR_AHEAD = TILE, FAR_AHEAD = 4 * TILE;
 
@@ -76,21 +76,25 @@ class PrefetchedRows {
  public:
   PrefetchedRows(const T* head, const std::vector<int64_t>& offsets)
       : head_(head), offsets_(offsets.data()), ctx_(static_cast<int64_t>(offsets.size())) {
-    for (int64_t t = 0; t < std::min(FAR_AHEAD, ctx_); ++t) prefetch<_MM_HINT_T1>(t);
-    for (int64_t t = 0; t < std::min(NEAR_AHEAD, ctx_); ++t) prefetch<_MM_HINT_T0>(t);
+    // rows 0 ... AHEAD here, and next() goes on from AHEAD + 1
+    for (int64_t t = 0; t <= std::min(FAR_AHEAD, ctx_ - 1); ++t) prefetch<IN_L2>(t);
+    for (int64_t t = 0; t <= std::min(NEAR_AHEAD, ctx_ - 1); ++t) prefetch<IN_L1>(t);
   }
   const T* get() const { return head_ + offsets_[t_]; }
   void next() {
     ++t_;
-    if (t_ + FAR_AHEAD < ctx_) prefetch<_MM_HINT_T1>(t_ + FAR_AHEAD);
-    if (t_ + NEAR_AHEAD < ctx_) prefetch<_MM_HINT_T0>(t_ + NEAR_AHEAD);
+    if (t_ + FAR_AHEAD < ctx_) prefetch<IN_L2>(t_ + FAR_AHEAD);
+    if (t_ + NEAR_AHEAD < ctx_) prefetch<IN_L1>(t_ + NEAR_AHEAD);
   }
 
  private:
-  template <_mm_hint HINT>
+  // __builtin_prefetch's locality: 3 is prefetcht0 (into L1), 2 prefetcht1 (into L2)
+  static constexpr int IN_L1 = 3, IN_L2 = 2;
+  template <int LOCALITY>
   void prefetch(int64_t t) const {
     const char* row = reinterpret_cast<const char*>(head_ + offsets_[t]);
-    for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(T)); line += 64) _mm_prefetch(row + line, HINT);
+    for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(T)); line += 64)
+      __builtin_prefetch(row + line, 0, LOCALITY);
   }
   const T* head_;
   const int64_t* offsets_;
