@@ -31,7 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("compiled_isa", &compiled_isa, "the ISA this module was compiled for");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", no_gil);
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of one sequence, bf16 (AVX512-BF16)", no_gil);
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention of one sequence, bf16 (AVX512-BF16)",
+        no_gil);
   m.def("has_prefill_attention", &has_prefill_attention, "whether this build has prefill_attention");
   m.def("reshape_and_cache", &reshape_and_cache, "write new K/V rows into their cache slots, in place", no_gil);
   m.def("rms_norm", &rms_norm, "RMSNorm, fused", no_gil);
@@ -60,8 +61,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("weight_offset") = pybind11::none(), pybind11::arg("bias") = pybind11::none(), no_gil);
   m.def("has_linear_w8a16", &has_linear_w8a16, "whether this build has linear_w8a16");
   m.def("dequantize_int8", &dequantize_int8, "int8 weights [N, K] as (q + offset) * scale, in bf16 or fp32",
-        pybind11::arg("weight"), pybind11::arg("weight_scale"), pybind11::arg("weight_offset"), pybind11::arg("bf16"), no_gil);
-  m.def("fused_experts", &fused_experts, "a MoE layer's experts on tokens sorted by expert, combined per token", no_gil);
+        pybind11::arg("weight"), pybind11::arg("weight_scale"), pybind11::arg("weight_offset"), pybind11::arg("bf16"),
+        no_gil);
+  m.def("fused_experts", &fused_experts, "a MoE layer's experts on tokens sorted by expert, combined per token",
+        no_gil);
   m.def("has_fused_experts", &has_fused_experts, "whether this build has fused_experts");
   m.def("expert_stripe", &expert_stripe, "the columns of one stripe of fused_experts' weights");
   m.def("expert_pairs", &expert_pairs, "whether fused_experts' bf16 weights go in pairs of k");
